@@ -1,0 +1,49 @@
+"""``python -m gateway --upstream-url URL [--host H] [--port P]`` (or the same settings as GATEWAY_* env vars)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+from pydantic import ValidationError
+
+from gateway.app import create_app
+from gateway.config import Settings
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(prog="python -m gateway", description="slime-gateway: RL rollout gateway")
+    parser.add_argument("--upstream-url", help="SGLang router/server URL (env GATEWAY_UPSTREAM_URL)")
+    parser.add_argument("--host", help="listen address (env GATEWAY_HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="listen port (env GATEWAY_PORT, default 8000)")
+    parser.add_argument("--log-level", help="critical|error|warning|info|debug (env GATEWAY_LOG_LEVEL)")
+    parser.add_argument("--request-timeout-s", type=float, help="upstream read timeout (env GATEWAY_REQUEST_TIMEOUT_S)")
+    args = parser.parse_args(argv)
+    return {key: value for key, value in vars(args).items() if value is not None}
+
+
+def load_settings(overrides: dict[str, object]) -> Settings:
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()]
+        sys.exit("gateway: invalid settings (flags or GATEWAY_* env vars):\n" + "\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = load_settings(parse_args(argv))
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.log_level == "debug",
+        timeout_graceful_shutdown=30,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The app factory: settings in, a FastAPI app out; every resource is owned by the lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+
+from gateway import __version__
+from gateway.config import Settings
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.responses import json_response
+from gateway.routes import health, passthrough, sessions
+from gateway.state import GatewayState
+from gateway.store import SessionStore
+from gateway.upstream import Upstream
+
+log = logging.getLogger("gateway")
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = GatewayState(
+            settings=settings,
+            upstream=Upstream(
+                settings.upstream_base,
+                timeout_s=settings.request_timeout_s,
+                connect_timeout_s=settings.connect_timeout_s,
+                max_connections=settings.max_connections,
+            ),
+            store=SessionStore(settings.max_sessions),
+            cpu_pool=ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="gateway-decode"),
+        )
+        app.state.gateway = state
+        log.info("gateway %s (instance %s) -> upstream %s", __version__, state.instance_id, settings.upstream_base)
+        try:
+            yield
+        finally:
+            await state.aclose()
+
+    app = FastAPI(title="slime-gateway", version=__version__, lifespan=lifespan)
+    app.add_exception_handler(GatewayError, _gateway_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.include_router(health.router)
+    app.include_router(passthrough.router)
+    app.include_router(sessions.router)
+    return app
+
+
+async def _gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    if exc.status_code >= 500:
+        log.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status_code, exc.error_type, exc)
+    return json_response(exc.to_body(), status_code=exc.status_code)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    problems = [_describe(err) for err in exc.errors()]
+    error = InvalidRequest("invalid request: " + "; ".join(problems), errors=problems)
+    return json_response(error.to_body(), status_code=error.status_code)
+
+
+def _describe(err: dict) -> str:
+    where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+    return f"{where}: {err.get('msg', 'invalid')}"

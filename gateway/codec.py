@@ -1,0 +1,247 @@
+"""The pure codec: SGLang ``/generate`` answers <-> compact numpy arrays, and compact samples -> bytes.
+
+No I/O and no session state here: every function takes bytes/objects and returns arrays or raises
+``UpstreamProtocolError`` (a 502 for the caller) saying exactly what is wrong with the answer.
+See PROTOCOL.md sections 2-3 for the formats.
+"""
+
+from __future__ import annotations
+
+import binascii
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+import pybase64
+from safetensors.numpy import save as safetensors_save
+
+from gateway.errors import ReplayDataDropped, UpstreamProtocolError
+
+TOP_P_ID_KEYS = ("top_p_token_ids", "top_p_kept_token_ids")
+TOP_P_OFFSET_KEYS = ("top_p_token_offsets", "top_p_kept_token_offsets")
+ROUTED_EXPERTS_KEY = "routed_experts"
+# Terminal counters slime sums into Sample.spec_info (speculative decoding).
+SPEC_COUNTER_KEYS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct")
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedTurn:
+    """One model answer, decoded and validated on its own (state-dependent checks live in the fold)."""
+
+    token_ids: np.ndarray  # int32 [n], from output_token_logprobs (what slime trains on)
+    log_probs: np.ndarray  # float32 [n]
+    text: str
+    finish_reason: dict[str, Any] | None
+    rid: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    weight_version: str | None = None
+    routed_experts: np.ndarray | None = None  # int32, flat; reshaped by the fold that knows [L, K]
+    top_p_ids: np.ndarray | None = None  # int32
+    top_p_offsets: np.ndarray | None = None  # int32 [n + 1]
+    spec_counters: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def finish_type(self) -> str | None:
+        return None if self.finish_reason is None else self.finish_reason.get("type")
+
+
+def decode_generate_response(body: bytes, *, want_routing: bool, want_top_p: bool) -> DecodedTurn:
+    """Decode a non-streamed ``/generate`` answer (one request, not a batch)."""
+    answer = _parse_json_object(body)
+    return decode_answer(answer, want_routing=want_routing, want_top_p=want_top_p)
+
+
+def decode_answer(answer: dict[str, Any], *, want_routing: bool, want_top_p: bool) -> DecodedTurn:
+    meta = answer.get("meta_info")
+    if not isinstance(meta, dict):
+        raise UpstreamProtocolError("upstream answer has no meta_info object")
+    token_ids, log_probs = decode_output_token_logprobs(meta.get("output_token_logprobs"))
+    n = len(token_ids)
+    finish_reason = _finish_reason(meta)
+    routed = _decode_routing(meta, want_routing, n, finish_reason)
+    top_p_ids, top_p_offsets = _decode_top_p(meta, want_top_p, n)
+    text = answer.get("text", "")
+    if not isinstance(text, str):
+        raise UpstreamProtocolError(f"upstream 'text' must be a string, got {type(text).__name__}")
+    return DecodedTurn(
+        token_ids=token_ids,
+        log_probs=log_probs,
+        text=text,
+        finish_reason=finish_reason,
+        rid=meta.get("id") if isinstance(meta.get("id"), str) else None,
+        prompt_tokens=_count(meta, "prompt_tokens"),
+        completion_tokens=_count(meta, "completion_tokens"),
+        cached_tokens=_count(meta, "cached_tokens"),
+        weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
+        routed_experts=routed,
+        top_p_ids=top_p_ids,
+        top_p_offsets=top_p_offsets,
+        spec_counters={key: _count(meta, key) for key in SPEC_COUNTER_KEYS if key in meta},
+    )
+
+
+def decode_output_token_logprobs(items: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``[[logprob, token_id, text], ...]`` -> (int32 ids, float32 log-probs)."""
+    if not isinstance(items, list):
+        raise UpstreamProtocolError(
+            "upstream answer has no meta_info.output_token_logprobs list (was return_logprob dropped?)"
+        )
+    n = len(items)
+    try:
+        ids = np.fromiter((item[1] for item in items), dtype=np.int64, count=n)
+        log_probs = np.fromiter((item[0] for item in items), dtype=np.float64, count=n)
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise UpstreamProtocolError(_explain_bad_logprob_item(items)) from exc
+    if n and (ids.min() < 0 or ids.max() > INT32_MAX):
+        raise UpstreamProtocolError("output_token_logprobs holds a token id outside [0, 2**31)")
+    if n and not np.isfinite(log_probs).all():
+        bad = int(np.flatnonzero(~np.isfinite(log_probs))[0])
+        raise UpstreamProtocolError(f"output_token_logprobs[{bad}] has a non-finite log-prob")
+    return ids.astype(np.int32), log_probs.astype(np.float32)
+
+
+def _explain_bad_logprob_item(items: list[Any]) -> str:
+    """Slow path, only on error: name the first item that is not [float, int, ...]."""
+    for i, item in enumerate(items):
+        if not isinstance(item, list | tuple) or len(item) < 2:
+            return f"output_token_logprobs[{i}] is not a [logprob, token_id, text] list: {item!r:.80}"
+        logprob, token_id = item[0], item[1]
+        if logprob is None:
+            return f"output_token_logprobs[{i}] has a null log-prob (non-finite upstream, or log-probs missing)"
+        if isinstance(logprob, bool) or not isinstance(logprob, int | float):
+            return f"output_token_logprobs[{i}] log-prob is not a number: {logprob!r:.40}"
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            return f"output_token_logprobs[{i}] token id is not an integer: {token_id!r:.40}"
+    return "output_token_logprobs is malformed"
+
+
+def decode_int32_b64(value: Any, name: str) -> np.ndarray:
+    """Standard base64 of a little-endian int32 array -> a read-only int32 view of the decoded bytes."""
+    if not isinstance(value, str | bytes):
+        raise UpstreamProtocolError(f"meta_info.{name} must be a base64 string, got {type(value).__name__}")
+    try:
+        raw = pybase64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise UpstreamProtocolError(f"meta_info.{name} is not valid base64: {exc}") from exc
+    if len(raw) % 4:
+        raise UpstreamProtocolError(f"meta_info.{name} decodes to {len(raw)} bytes, not a whole number of int32")
+    return np.frombuffer(raw, dtype="<i4")
+
+
+def _decode_routing(
+    meta: dict[str, Any], wanted: bool, num_tokens: int, finish_reason: dict[str, Any] | None
+) -> np.ndarray | None:
+    if not wanted:
+        return None
+    value = meta.get(ROUTED_EXPERTS_KEY)
+    if value is None:
+        if num_tokens == 0 and finish_reason is not None and finish_reason.get("type") == "abort":
+            return None  # aborted before the first token: nothing to replay
+        raise ReplayDataDropped(
+            "asked for routed experts (return_routed_experts) but the upstream answer has none: the replay "
+            "data was dropped upstream. Likely causes: a router that re-serializes /generate and strips "
+            "return_routed_experts (sglang-router <= 0.3.x; use smg or slime's patched router), or an SGLang "
+            "server started without --enable-return-routed-experts",
+            missing="routed_experts",
+        )
+    routed = decode_int32_b64(value, ROUTED_EXPERTS_KEY)
+    if len(routed) and routed.min() < 0:
+        raise UpstreamProtocolError("meta_info.routed_experts holds a negative expert id")
+    return routed
+
+
+def _decode_top_p(meta: dict[str, Any], wanted: bool, num_tokens: int) -> tuple[np.ndarray | None, ...]:
+    raw_ids = _first_present(meta, TOP_P_ID_KEYS)
+    raw_offsets = _first_present(meta, TOP_P_OFFSET_KEYS)
+    if raw_ids is None and raw_offsets is None:
+        if wanted and num_tokens:
+            raise ReplayDataDropped(
+                "asked for top-p replay (sampling_params.custom_params.return_top_p_token_ids) but the "
+                "upstream answer has no top_p_token_ids/offsets: the replay data was dropped upstream. Likely "
+                "causes: a router that strips sampling_params.custom_params (sglang-router <= 0.3.x), or an "
+                "SGLang build without slime's top-p replay patch",
+                missing="top_p_token_ids",
+            )
+        return None, None
+    if raw_ids is None or raw_offsets is None:
+        raise UpstreamProtocolError("top-p replay must include both top_p_token_ids and top_p_token_offsets")
+    ids = decode_int32_b64(raw_ids, "top_p_token_ids")
+    offsets = decode_int32_b64(raw_offsets, "top_p_token_offsets")
+    check_top_p_spans(ids, offsets, num_tokens)
+    return ids, offsets
+
+
+def check_top_p_spans(ids: np.ndarray, offsets: np.ndarray, num_tokens: int) -> None:
+    if len(offsets) != num_tokens + 1:
+        raise UpstreamProtocolError(
+            f"top_p_token_offsets has {len(offsets)} entries, expected generated tokens + 1 = {num_tokens + 1}"
+        )
+    if offsets[0] != 0:
+        raise UpstreamProtocolError(f"top_p_token_offsets must start at 0, got {int(offsets[0])}")
+    if offsets[-1] != len(ids):
+        raise UpstreamProtocolError(
+            f"top_p_token_offsets end at {int(offsets[-1])} but there are {len(ids)} top_p_token_ids"
+        )
+    if num_tokens and (np.diff(offsets) < 0).any():
+        raise UpstreamProtocolError("top_p_token_offsets are not non-decreasing")
+    if len(ids) and ids.min() < 0:
+        raise UpstreamProtocolError("top_p_token_ids holds a negative token id")
+
+
+def _finish_reason(meta: dict[str, Any]) -> dict[str, Any] | None:
+    finish = meta.get("finish_reason")
+    if finish is None:
+        return None
+    if not isinstance(finish, dict) or not isinstance(finish.get("type"), str):
+        raise UpstreamProtocolError(f"meta_info.finish_reason must be an object with a 'type', got {finish!r:.80}")
+    return finish
+
+
+def _count(meta: dict[str, Any], key: str) -> int:
+    value = meta.get(key, 0)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise UpstreamProtocolError(f"meta_info.{key} must be a number, got {value!r:.40}")
+    return int(value)
+
+
+def _first_present(meta: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        if meta.get(key) is not None:
+            return meta[key]
+    return None
+
+
+def _parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamProtocolError(f"upstream answer is not valid JSON: {exc}") from exc
+    if isinstance(answer, list):
+        raise UpstreamProtocolError("upstream answered a batch (JSON array) to a single-request turn")
+    if not isinstance(answer, dict):
+        raise UpstreamProtocolError(f"upstream answer must be a JSON object, got {type(answer).__name__}")
+    return answer
+
+
+def narrowest_unsigned(max_value: int) -> np.dtype:
+    """The smallest unsigned dtype holding ``max_value`` (uint8 up to 256 experts)."""
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if max_value <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    raise UpstreamProtocolError(f"expert id {max_value} does not fit in 32 bits")
+
+
+def encode_safetensors(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """The compact sample on the wire: safetensors bytes (named tensors + string metadata)."""
+    return safetensors_save({name: np.ascontiguousarray(a) for name, a in arrays.items()}, metadata=metadata)

@@ -1,0 +1,34 @@
+"""Settings: from ``GATEWAY_*`` environment variables, overridden by command-line flags."""
+
+from __future__ import annotations
+
+from pydantic import AnyHttpUrl, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="forbid")
+
+    upstream_url: AnyHttpUrl = Field(description="SGLang router (or server) base URL, e.g. http://127.0.0.1:30000")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=1, le=65535)
+    log_level: str = Field("info", pattern="^(critical|error|warning|info|debug)$")
+    request_timeout_s: float = Field(600.0, gt=0, description="upstream read timeout for one /generate call")
+    connect_timeout_s: float = Field(5.0, gt=0)
+    max_connections: int = Field(512, ge=1, description="pooled upstream connections")
+    decode_offload_bytes: int = Field(
+        64 * 1024, ge=0, description="answers larger than this are decoded in a worker thread, off the event loop"
+    )
+    decode_threads: int = Field(4, ge=1)
+    max_sessions: int = Field(1_000_000, ge=1, description="refuse new sessions beyond this many (429)")
+
+    @field_validator("upstream_url")
+    @classmethod
+    def _no_path_suffix(cls, url: AnyHttpUrl) -> AnyHttpUrl:
+        if url.query or url.fragment:
+            raise ValueError("upstream_url must be a base URL without query or fragment")
+        return url
+
+    @property
+    def upstream_base(self) -> str:
+        return str(self.upstream_url).rstrip("/")

@@ -1,0 +1,1 @@
+"""Thin HTTP route modules: parse, call the layer below, shape the response."""

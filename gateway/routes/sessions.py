@@ -1,0 +1,69 @@
+"""The v1 session API: create, generate (a model turn), append (tool tokens), view, sample, delete."""
+
+from __future__ import annotations
+
+import numpy as np
+from fastapi import APIRouter, Response
+
+from gateway.responses import json_response, safetensors_response
+from gateway.sample import MoEShape, SessionSample
+from gateway.schemas import SampleBatchRequest, SessionCreate, ToolAppend, TurnCreate
+from gateway.state import StateDep
+from gateway.turns import run_turn
+from gateway.views import sample_bytes, samples_bytes, session_summary, session_view
+
+router = APIRouter(prefix="/v1", tags=["sessions"])
+
+
+@router.post("/sessions", status_code=201)
+async def create_session(body: SessionCreate, state: StateDep) -> Response:
+    moe = None if body.num_layers is None else MoEShape(body.num_layers, body.moe_router_topk)  # type: ignore[arg-type]
+    session = state.store.create(
+        SessionSample.from_prompt(body.prompt_ids, moe),
+        session_id=body.session_id,
+        metadata=body.metadata,
+        sampling_defaults=body.sampling_defaults,
+    )
+    return json_response(session_summary(session), status_code=201)
+
+
+@router.get("/sessions")
+async def list_sessions(state: StateDep) -> Response:
+    sessions = [session_summary(s) for s in state.store]
+    return json_response({"count": len(sessions), "sessions": sessions})
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, state: StateDep, full: bool = False) -> Response:
+    return json_response(session_view(state.store.get(session_id), full=full))
+
+
+@router.delete("/sessions/{session_id}", status_code=204)
+async def delete_session(session_id: str, state: StateDep) -> Response:
+    state.store.delete(session_id)
+    return Response(status_code=204)
+
+
+@router.post("/sessions/{session_id}/generate")
+async def generate(session_id: str, body: TurnCreate, state: StateDep) -> Response:
+    async with state.store.exclusive(session_id) as session:
+        return json_response(await run_turn(state, session, body))
+
+
+@router.post("/sessions/{session_id}/append")
+async def append(session_id: str, body: ToolAppend, state: StateDep) -> Response:
+    async with state.store.exclusive(session_id) as session:
+        session.sample.append_tool_tokens(np.asarray(body.token_ids, dtype=np.int32), body.text)
+        return json_response(session_summary(session))
+
+
+@router.get("/sessions/{session_id}/sample")
+async def get_sample(session_id: str, state: StateDep) -> Response:
+    session = state.store.get(session_id)
+    return safetensors_response(sample_bytes(session))
+
+
+@router.post("/samples")
+async def get_samples(body: SampleBatchRequest, state: StateDep) -> Response:
+    sessions = [state.store.get(sid) for sid in body.session_ids]
+    return safetensors_response(samples_bytes(sessions))

@@ -1,0 +1,262 @@
+"""Per-session Sample state and THE fold: slime's ``Sample.append_response_tokens`` over compact arrays.
+
+Every append validates first and mutates only once everything is known to be valid, so a failed turn
+leaves the session exactly as it was. Appends are amortized O(new tokens) (see ``GrowableArray``).
+PROTOCOL.md section 6 is the contract; the field names are slime's ``Sample`` fields.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gateway.buffers import GrowableArray
+from gateway.codec import DecodedTurn, narrowest_unsigned
+from gateway.errors import InvalidRequest, UpstreamProtocolError
+
+
+class Status(str, enum.Enum):
+    """slime's ``Sample.Status`` values."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+
+
+FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+@dataclass(frozen=True, slots=True)
+class MoEShape:
+    num_layers: int
+    topk: int
+
+    @property
+    def row_size(self) -> int:
+        return self.num_layers * self.topk
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPlan:
+    """How a validated routing array lands in the state: rows kept from the store, then the new rows."""
+
+    keep_rows: int
+    rows: np.ndarray  # [new_rows, L, K] int32
+    upstream_ignored_start_len: bool = False
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    """One entry of the session's turn log (what the curl view shows)."""
+
+    kind: str  # "model" | "tool"
+    num_tokens: int
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str | None = None
+    cached_tokens: int = 0
+    routing_rows: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in self.__slots__}
+
+
+@dataclass
+class SessionSample:
+    """The compact form of slime's ``Sample`` for one session."""
+
+    prompt_length: int
+    tokens: GrowableArray
+    moe: MoEShape | None = None
+    loss_mask: GrowableArray = field(default_factory=lambda: GrowableArray(np.uint8))
+    log_probs: GrowableArray = field(default_factory=lambda: GrowableArray(np.float32))
+    top_p_ids: GrowableArray | None = None
+    top_p_offsets: GrowableArray | None = None
+    routed_experts: GrowableArray | None = None
+    status: Status = Status.PENDING
+    weight_versions: list[str] = field(default_factory=list)
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    spec_counters: dict[str, int] = field(default_factory=dict)
+    turns: list[TurnRecord] = field(default_factory=list)
+    _text_pieces: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_prompt(cls, prompt_ids: list[int] | np.ndarray, moe: MoEShape | None = None) -> SessionSample:
+        tokens = GrowableArray.from_array(np.asarray(prompt_ids, dtype=np.int64).astype(np.int32))
+        return cls(prompt_length=len(tokens), tokens=tokens, moe=moe)
+
+    # ---- derived views -------------------------------------------------------------------------------------
+    @property
+    def response_length(self) -> int:
+        return len(self.tokens) - self.prompt_length
+
+    @property
+    def routing_rows(self) -> int:
+        return 0 if self.routed_experts is None else len(self.routed_experts)
+
+    @property
+    def top_p_active(self) -> bool:
+        return self.top_p_offsets is not None
+
+    @property
+    def response(self) -> str:
+        if len(self._text_pieces) > 1:  # join lazily, once: repeated str += would be O(n^2)
+            self._text_pieces[:] = ["".join(self._text_pieces)]
+        return self._text_pieces[0] if self._text_pieces else ""
+
+    @property
+    def stored_bytes(self) -> int:
+        buffers = (self.tokens, self.loss_mask, self.log_probs, self.top_p_ids, self.top_p_offsets, self.routed_experts)
+        return sum(b.nbytes for b in buffers if b is not None)
+
+    # ---- the fold ------------------------------------------------------------------------------------------
+    def check_can_request_top_p(self) -> None:
+        """slime cannot start top-p replay on a sample that already has response tokens without it."""
+        if not self.top_p_active and self.response_length:
+            raise InvalidRequest(
+                "top-p replay must be enabled from the session's first response token: this session already has "
+                f"{self.response_length} response tokens without top-p data"
+            )
+
+    def fold_model_turn(self, turn: DecodedTurn, *, routing_start_len: int = 0) -> TurnRecord:
+        """Append a model answer (trainable tokens). Validates everything, then mutates."""
+        n = turn.num_tokens
+        new_total = len(self.tokens) + n
+        routing = self._plan_routing(turn.routed_experts, new_total, routing_start_len)
+        self._check_top_p(turn, n)
+
+        self._append_tokens(turn.token_ids, trainable=True, log_probs=turn.log_probs, text=turn.text)
+        if turn.top_p_offsets is not None and n:
+            self._merge_top_p(turn.top_p_ids, turn.top_p_offsets)
+        if routing is not None:
+            self._apply_routing(routing)
+        record = TurnRecord(
+            kind="model",
+            num_tokens=n,
+            finish_reason=turn.finish_reason,
+            weight_version=turn.weight_version,
+            cached_tokens=turn.cached_tokens,
+            routing_rows=None if routing is None else len(routing.rows),
+        )
+        if turn.finish_reason is not None:
+            self._apply_terminal_info(turn)
+        self.turns.append(record)
+        return record
+
+    def append_tool_tokens(self, token_ids: np.ndarray, text: str | None = None) -> TurnRecord:
+        """Tool/environment tokens: not trainable (loss mask 0, log-prob 0.0, empty top-p spans)."""
+        self._append_tokens(token_ids, trainable=False, log_probs=None, text=text)
+        if self.top_p_offsets is not None:
+            self.top_p_offsets.append_repeat(self.top_p_offsets.last(), len(token_ids))
+        record = TurnRecord(kind="tool", num_tokens=len(token_ids))
+        self.turns.append(record)
+        return record
+
+    def _append_tokens(
+        self, token_ids: np.ndarray, *, trainable: bool, log_probs: np.ndarray | None, text: str | None
+    ) -> None:
+        n = len(token_ids)
+        self.tokens.append(token_ids)
+        self.loss_mask.append_repeat(1 if trainable else 0, n)
+        if log_probs is None:
+            self.log_probs.append_repeat(0.0, n)
+        else:
+            self.log_probs.append(log_probs)
+        if text:
+            self._text_pieces.append(text)
+
+    def _check_top_p(self, turn: DecodedTurn, n: int) -> None:
+        if turn.top_p_offsets is None or not n:
+            if self.top_p_active and n:
+                raise UpstreamProtocolError("this session keeps top-p replay data but the answer carries none")
+            return
+        if not self.top_p_active and self.response_length:
+            # slime would replace the spans with this turn's only and then fail its length check.
+            raise UpstreamProtocolError(
+                "top-p replay data arrived for a session whose earlier response tokens have none"
+            )
+
+    def _merge_top_p(self, ids: np.ndarray, offsets: np.ndarray) -> None:
+        if self.top_p_offsets is None or self.top_p_ids is None:
+            self.top_p_ids = GrowableArray.from_array(ids, np.int32)
+            self.top_p_offsets = GrowableArray.from_array(offsets, np.int32)
+            return
+        base = self.top_p_offsets.last()
+        self.top_p_ids.append(ids)
+        self.top_p_offsets.append(offsets[1:] + np.int32(base))
+
+    def _plan_routing(self, routed: np.ndarray | None, new_total: int, start_len: int) -> RoutingPlan | None:
+        if routed is None:
+            return None
+        if self.moe is None:
+            raise InvalidRequest("routed experts need the session's MoE shape (num_layers, moe_router_topk)")
+        row = self.moe.row_size
+        full_rows = max(0, new_total - 1)
+        expected_rows = max(0, new_total - 1 - start_len)
+        if routed.size == expected_rows * row:
+            if start_len and self.routing_rows < start_len:
+                raise UpstreamProtocolError(
+                    f"routed_experts_start_len={start_len} but the session holds only {self.routing_rows} rows"
+                )
+            keep, ignored = start_len, False
+        elif start_len and routed.size == full_rows * row:
+            keep, ignored = 0, True  # the upstream sent every row (ignored start_len): replace, as slime does for 0
+        else:
+            raise UpstreamProtocolError(
+                f"routed_experts has {routed.size} elements, expected {expected_rows * row} = "
+                f"(tokens {new_total} - 1 - start_len {start_len}) x num_layers {self.moe.num_layers} x "
+                f"topk {self.moe.topk}",
+                reason="routing_element_count",
+            )
+        rows = routed.reshape(-1, self.moe.num_layers, self.moe.topk)
+        return RoutingPlan(keep_rows=keep, rows=rows, upstream_ignored_start_len=ignored)
+
+    def _apply_routing(self, plan: RoutingPlan) -> None:
+        max_id = int(plan.rows.max()) if plan.rows.size else 0
+        if self.routed_experts is None:
+            dtype = narrowest_unsigned(max_id)
+            self.routed_experts = GrowableArray(dtype, (self.moe.num_layers, self.moe.topk))  # type: ignore[union-attr]
+        elif max_id > np.iinfo(self.routed_experts.dtype).max:
+            self.routed_experts.widen(narrowest_unsigned(max_id))
+        self.routed_experts.truncate(plan.keep_rows)
+        self.routed_experts.append(plan.rows)
+
+    def _apply_terminal_info(self, turn: DecodedTurn) -> None:
+        self.cached_tokens += turn.cached_tokens
+        self.prompt_tokens += turn.prompt_tokens
+        for key, value in turn.spec_counters.items():
+            self.spec_counters[key] = self.spec_counters.get(key, 0) + value
+        if turn.num_tokens and turn.weight_version is not None:
+            self.weight_versions.append(turn.weight_version)
+        status = FINISH_TO_STATUS.get(turn.finish_type or "")
+        if status is not None:
+            self.status = status
+
+    # ---- export ----------------------------------------------------------------------------------------------
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The sample as named arrays (slime field names), views into the state: no copies."""
+        out = {
+            "tokens": self.tokens.view(),
+            "loss_mask": self.loss_mask.view(),
+            "rollout_log_probs": self.log_probs.view(),
+        }
+        if self.top_p_ids is not None and self.top_p_offsets is not None:
+            out["rollout_top_p_token_ids"] = self.top_p_ids.view()
+            out["rollout_top_p_token_offsets"] = self.top_p_offsets.view()
+        if self.routed_experts is not None:
+            out["rollout_routed_experts"] = self.routed_experts.view()
+        return out
+
+    def check_invariants(self) -> None:
+        """PROTOCOL.md section 6 invariants; raises AssertionError (used by tests and debug checks)."""
+        n = self.response_length
+        assert len(self.loss_mask) == len(self.log_probs) == n, "loss_mask/log_probs length != response_length"
+        if self.top_p_offsets is not None and self.top_p_ids is not None:
+            assert len(self.top_p_offsets) == n + 1, "len(top_p_offsets) != response_length + 1"
+            assert self.top_p_offsets.last() == len(self.top_p_ids), "top_p_offsets[-1] != len(top_p_ids)"
+        if self.routed_experts is not None:
+            assert len(self.routed_experts) <= max(0, len(self.tokens) - 1), "more routing rows than positions"

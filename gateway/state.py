@@ -1,0 +1,46 @@
+"""Resources owned by the app lifespan, handed to routes through one typed dependency."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Annotated, TypeVar
+
+from fastapi import Depends, Request
+
+from gateway.config import Settings
+from gateway.store import SessionStore
+from gateway.upstream import Upstream
+
+T = TypeVar("T")
+
+
+@dataclass
+class GatewayState:
+    settings: Settings
+    upstream: Upstream
+    store: SessionStore
+    cpu_pool: ThreadPoolExecutor
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started_at: float = field(default_factory=time.time)
+
+    async def run_cpu(self, size: int, fn: Callable[[], T]) -> T:
+        """Run CPU work (decode, encode) in the pool when it is big enough to stall the event loop."""
+        if size < self.settings.decode_offload_bytes:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn)
+
+    async def aclose(self) -> None:
+        await self.upstream.aclose()
+        self.cpu_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def get_state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+StateDep = Annotated[GatewayState, Depends(get_state)]

@@ -1,0 +1,95 @@
+"""The one pooled HTTP client to SGLang (router or server), and its error translation boundary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway.errors import (
+    GatewayError,
+    UpstreamError,
+    UpstreamRejected,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+# Request headers a passthrough forwards; everything else (host, content-length, ...) is the client's own.
+FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "authorization")
+
+
+class Upstream:
+    """Owns the ``httpx.AsyncClient``; created and closed by the app lifespan."""
+
+    def __init__(self, base_url: str, *, timeout_s: float, connect_timeout_s: float, max_connections: int) -> None:
+        self.base_url = base_url
+        self.client = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            # Bodies are proxied as-is; let the upstream's Content-Encoding never be touched by us.
+            headers={"accept-encoding": "identity"},
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def post_generate(self, body: bytes, *, routing_key: str | None) -> bytes:
+        """A non-streamed ``/generate`` for a session turn: the raw answer bytes, or a ``GatewayError``."""
+        headers = {"content-type": "application/json"}
+        if routing_key:
+            headers[ROUTING_KEY_HEADER] = routing_key
+        try:
+            response = await self.client.post("/generate", content=body, headers=headers)
+        except httpx.HTTPError as exc:
+            raise translate_transport_error(exc, self.base_url) from exc
+        if response.status_code >= 400:
+            raise status_error(response.status_code, response.content)
+        return response.content
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        """Send a prepared request with the body left streaming (the caller closes the response)."""
+        try:
+            return await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise translate_transport_error(exc, self.base_url) from exc
+
+
+def translate_transport_error(exc: httpx.HTTPError, base_url: str) -> GatewayError:
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+        return UpstreamTimeout(f"upstream {base_url} did not answer in time ({type(exc).__name__})")
+    if isinstance(exc, httpx.TransportError):
+        return UpstreamUnavailable(f"upstream {base_url} is unreachable: {type(exc).__name__}: {exc}")
+    return UpstreamError(f"upstream request failed: {type(exc).__name__}: {exc}")
+
+
+def status_error(status: int, body: bytes) -> GatewayError:
+    """An upstream error status -> the gateway error the caller sees (openai-python's ``_make_status_error``)."""
+    message = upstream_error_message(body)
+    detail = f"upstream answered {status}: {message}"
+    if 400 <= status < 500:
+        return UpstreamRejected(detail, status_code=status, upstream_status=status)
+    if status == 503 or "no_available_workers" in message or "No available workers" in message:
+        return UpstreamUnavailable(detail, upstream_status=status)
+    if status == 504:
+        return UpstreamTimeout(detail, upstream_status=status)
+    return UpstreamError(detail, upstream_status=status)
+
+
+def upstream_error_message(body: bytes) -> str:
+    """Best-effort message from SGLang/router error bodies (``{"error": {"message"}}``, ``{"message"}``, text)."""
+    try:
+        parsed: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body[:500].decode("utf-8", "replace").strip() or "(empty body)"
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])[:500]
+        if isinstance(error, str):
+            return error[:500]
+        if parsed.get("message"):
+            return str(parsed["message"])[:500]
+    return body[:500].decode("utf-8", "replace")

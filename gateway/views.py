@@ -1,0 +1,89 @@
+"""What callers see of a session: the curl view (JSON) and the compact sample (safetensors)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+
+from gateway.codec import encode_safetensors
+from gateway.store import Session
+
+LAST_TOKENS_SHOWN = 16
+
+
+def session_summary(session: Session) -> dict[str, Any]:
+    sample = session.sample
+    return {
+        "session_id": session.session_id,
+        "status": sample.status.value,
+        "busy": session.busy,
+        "prompt_length": sample.prompt_length,
+        "response_length": sample.response_length,
+        "total_tokens": len(sample.tokens),
+        "turns": len(sample.turns),
+        "created_at": session.created_at,
+        "updated_at": session.updated_at,
+    }
+
+
+def session_view(session: Session, *, full: bool = False) -> dict[str, Any]:
+    sample = session.sample
+    arrays = sample.arrays()
+    view = session_summary(session) | {
+        "metadata": session.metadata,
+        "moe": None if sample.moe is None else {"num_layers": sample.moe.num_layers, "topk": sample.moe.topk},
+        "replay": {
+            "routed_experts": "rollout_routed_experts" in arrays,
+            "routed_experts_rows": sample.routing_rows,
+            "top_p": sample.top_p_active,
+        },
+        "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype)} for name, a in arrays.items()},
+        "weight_versions": sample.weight_versions,
+        "cached_tokens": sample.cached_tokens,
+        "prompt_tokens": sample.prompt_tokens,
+        "spec_counters": sample.spec_counters,
+        "stored_bytes": sample.stored_bytes,
+        "response": sample.response,
+        "last_tokens": arrays["tokens"][-LAST_TOKENS_SHOWN:].tolist(),
+        "turn_log": [t.to_json() for t in sample.turns],
+    }
+    if full:
+        view["full"] = {name: a.tolist() for name, a in arrays.items()}
+    return view
+
+
+def sample_metadata(session: Session) -> dict[str, str]:
+    """safetensors metadata is str -> str: scalars as text, structures as JSON."""
+    sample = session.sample
+    meta = {
+        "session_id": session.session_id,
+        "status": sample.status.value,
+        "response": sample.response,
+        "response_length": str(sample.response_length),
+        "prompt_length": str(sample.prompt_length),
+        "weight_versions": orjson.dumps(sample.weight_versions).decode(),
+        "cached_tokens": str(sample.cached_tokens),
+        "prompt_tokens": str(sample.prompt_tokens),
+        "spec_counters": orjson.dumps(sample.spec_counters).decode(),
+        "turns": str(len(sample.turns)),
+        "metadata": orjson.dumps(session.metadata).decode(),
+    }
+    if sample.moe is not None:
+        meta["num_layers"] = str(sample.moe.num_layers)
+        meta["moe_router_topk"] = str(sample.moe.topk)
+    return meta
+
+
+def sample_bytes(session: Session) -> bytes:
+    return encode_safetensors(session.sample.arrays(), sample_metadata(session))
+
+
+def samples_bytes(sessions: list[Session]) -> bytes:
+    """A whole group in one safetensors file: tensors named ``{i}/{field}``, metadata under ``samples``."""
+    arrays: dict[str, np.ndarray] = {}
+    for i, session in enumerate(sessions):
+        arrays.update({f"{i}/{name}": a for name, a in session.sample.arrays().items()})
+    metadata = {"samples": orjson.dumps([sample_metadata(s) for s in sessions]).decode(), "count": str(len(sessions))}
+    return encode_safetensors(arrays, metadata)
