@@ -1,0 +1,615 @@
+"""The simulated model: pure, deterministic, no I/O.
+
+Everything a `/generate` answer contains is a function of the simulator seed, the request's input ids and its
+`sampling_seed`, so tests can predict and compare answers:
+
+- the generated tokens, their log-probs, the length and the finish reason come from a numpy Generator seeded
+  from `(seed, crc32(input id bytes), sampling_seed)`;
+- the routing of a position depends only on `(seed, position, token id at that position)`, so a later turn
+  that re-sends an earlier turn's tokens gets the same rows for them, as with a real prefix cache;
+- the top-p kept sets are drawn from a second stream of the same seed, so asking for them never changes tokens.
+
+`Generation` turns one planned answer into SGLang-shaped JSON for any prefix of it (cumulative stream chunks,
+the final answer, an aborted partial answer). `Distortion` is how fault injection makes an answer wrong without
+the builders knowing about fault modes.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+import pybase64
+
+# Token ids travel as int32 on the wire (routing, top-p) and in the crc of the input.
+MAX_TOKEN_ID = 2**31 - 1
+MAX_NEW_TOKENS = 1 << 20  # the simulated context length: keeps a typo from allocating gigabytes
+MAX_EXPERTS = 1 << 16  # the routing table is num_experts x topk
+_U64 = 2**64
+_ELEMENT_END = re.compile(rb"null\]")
+ABORT_FINISH: dict[str, Any] = {"type": "abort", "message": "Abort requested", "status_code": None, "err_type": None}
+
+# splitmix64 constants: a cheap, well-mixed 64-bit hash that vectorizes over numpy uint64 arrays.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+class BadRequest(ValueError):
+    """The request is invalid; SGLang answers these with HTTP 400 `{"error": {"message": ...}}`."""
+
+
+@dataclass(frozen=True)
+class SimulatorConfig:
+    """Everything that shapes the simulated server (the CLI flags of `python -m gateway.simulator`)."""
+
+    num_layers: int = 4
+    topk: int = 2
+    num_experts: int = 8
+    seed: int = 0
+    vocab_size: int = 1000
+    weight_version: str = "sim-v0"
+    latency_ms: float = 0.0
+    token_delay_ms: float = 0.0
+    stream_chunk_tokens: int = 1
+    default_max_new_tokens: int = 16
+    eos_token_id: int | None = None  # None: vocab_size - 1
+    enable_routed_experts: bool = True  # False: like SGLang without --enable-return-routed-experts
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.num_layers >= 1, "num_layers must be >= 1"),
+            (1 <= self.topk <= self.num_experts, "topk must be in [1, num_experts]"),
+            (self.num_experts <= MAX_EXPERTS, f"num_experts must be <= {MAX_EXPERTS}"),
+            (2 <= self.vocab_size <= MAX_TOKEN_ID, "vocab_size must be in [2, 2**31-1]"),
+            (self.latency_ms >= 0 and self.token_delay_ms >= 0, "latencies must be >= 0"),
+            (self.stream_chunk_tokens >= 1, "stream_chunk_tokens must be >= 1"),
+            (self.default_max_new_tokens >= 0, "default_max_new_tokens must be >= 0"),
+            (
+                self.eos_token_id is None or 0 <= self.eos_token_id < self.vocab_size,
+                "eos_token_id must be in [0, vocab_size)",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def eos(self) -> int:
+        return self.vocab_size - 1 if self.eos_token_id is None else self.eos_token_id
+
+
+@dataclass(frozen=True)
+class GenItem:
+    """One validated prompt of a /generate call (a batch has several)."""
+
+    rid: str
+    input_ids: np.ndarray  # int64, non-empty
+    max_new_tokens: int
+    temperature: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    sampling_seed: int = 0
+    ignore_eos: bool = False  # run to max_new_tokens (finish "length"): fixed-size answers for benchmarks
+    return_logprob: bool = False
+    return_routed_experts: bool = False  # already False when the server has routing disabled
+    start_len: int = 0
+    return_top_p: bool = False
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The full answer a request would get if nothing stops it early."""
+
+    output_ids: np.ndarray  # int64
+    logprobs: np.ndarray  # float64, all < 0
+    finish: dict[str, Any]
+    entropy: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class Distortion:
+    """Ways to make an otherwise correct answer wrong; set by fault injection, honoured by `Generation`."""
+
+    drop_keys: frozenset[str] = frozenset()
+    null_first_logprob: bool = False
+    routing_from_zero: bool = False  # as if routed_experts_start_len had been ignored
+    routing_rows_delta: int = 0  # negative: drop that many trailing rows
+    garble_routing: bool = False  # not valid base64 any more
+    garble_offsets: bool = False  # top-p offsets[-1] != len(ids)
+
+
+NO_DISTORTION = Distortion()
+
+
+# --------------------------------------------------------------------------------------------- hashing
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer over a uint64 array (wrapping arithmetic is what we want here)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _MIX1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+def ids_crc32(ids: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(ids, dtype="<i4").tobytes())
+
+
+def tokenize(text: str, vocab_size: int) -> np.ndarray:
+    """Deterministic stand-in tokenizer: one token per whitespace-separated word."""
+    return np.array([zlib.crc32(w.encode()) % vocab_size for w in text.split()], dtype=np.int64)
+
+
+def embeds_to_ids(embeds: Sequence[Sequence[float]], vocab_size: int) -> np.ndarray:
+    """One pseudo token id per embedding row, so routing still has a token to depend on."""
+    ids = [zlib.crc32(np.asarray(row, dtype="<f4").tobytes()) % vocab_size for row in embeds]
+    return np.array(ids, dtype=np.int64)
+
+
+def encode_i32(arr: np.ndarray) -> str:
+    """Standard base64 of a C-order little-endian int32 array, the wire format of routing and top-p."""
+    data = np.ascontiguousarray(arr, dtype="<i4")
+    return pybase64.b64encode_as_string(memoryview(data).cast("B"))
+
+
+# ---------------------------------------------------------------------------------------- prefix cache
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
+
+
+class PrefixCache:
+    """Earlier sequences that went through the model, to answer `cached_tokens` like a radix cache would.
+
+    Exact (page size 1). Candidates are indexed by their first token and the newest few are compared with
+    numpy, which keeps a lookup cheap even when every request shares one system prompt. Bounded by a token
+    budget, oldest evicted first; a stored sequence that a newer one extends is replaced by it.
+    """
+
+    def __init__(self, max_tokens: int = 1 << 23, max_candidates: int = 64) -> None:
+        self._max_tokens = max_tokens
+        self._max_candidates = max_candidates
+        self._seqs: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._by_first: dict[int, list[int]] = {}
+        self._next_key = 0
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def clear(self) -> None:
+        self._seqs.clear()
+        self._by_first.clear()
+        self._tokens = 0
+
+    def _candidates(self, ids: np.ndarray) -> list[int]:
+        keys = self._by_first.get(int(ids[0]), [])
+        return keys[-self._max_candidates :][::-1]
+
+    def lookup(self, ids: np.ndarray) -> int:
+        """Longest cached prefix of `ids`, capped at len - 1 (the last prompt token is always computed)."""
+        if len(ids) == 0:
+            return 0
+        best = max((common_prefix_len(ids, self._seqs[k]) for k in self._candidates(ids)), default=0)
+        return min(best, len(ids) - 1)
+
+    def insert(self, seq: np.ndarray) -> None:
+        if len(seq) == 0:
+            return
+        for key in self._candidates(seq):
+            stored = self._seqs[key]
+            common = common_prefix_len(seq, stored)
+            if common == len(seq):
+                return  # already covered by a longer sequence
+            if common == len(stored):
+                self._remove(key)  # the new sequence extends it
+        key = self._next_key
+        self._next_key += 1
+        self._seqs[key] = seq.copy()
+        self._by_first.setdefault(int(seq[0]), []).append(key)
+        self._tokens += len(seq)
+        while self._tokens > self._max_tokens and len(self._seqs) > 1:
+            self._remove(next(iter(self._seqs)))
+
+    def _remove(self, key: int) -> None:
+        seq = self._seqs.pop(key)
+        self._tokens -= len(seq)
+        bucket = self._by_first[int(seq[0])]
+        bucket.remove(key)
+        if not bucket:
+            del self._by_first[int(seq[0])]
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+class Engine:
+    """Per-server model state: the vocabulary text, routing tables and the prefix cache."""
+
+    def __init__(self, config: SimulatorConfig) -> None:
+        self.config = config
+        self.weight_version = config.weight_version  # mutable: /sim/weight_version simulates weight updates
+        self.cache = PrefixCache()
+        words = [f" w{i}" for i in range(config.vocab_size)]
+        words[config.eos] = ""  # skip_special_tokens: the eos token has no text
+        self._words = words
+        self._word_lens = np.fromiter((len(w) for w in words), dtype=np.int64, count=len(words))
+        seed = config.seed % _U64
+        rng = np.random.default_rng([seed, 7])
+        # Row b is experts perm[b], perm[b+1], ... (mod E) of a per-seed permutation: K distinct ids, so a
+        # routing row is one lookup of a base value per (position, layer).
+        perm = rng.permutation(config.num_experts).astype(np.int32)
+        doubled = np.concatenate([perm, perm])
+        self._expert_rows = np.stack([doubled[b : b + config.topk] for b in range(config.num_experts)])
+        self._seed_salt = mix64(np.array([seed], dtype=np.uint64) + _GOLDEN)[0]
+        self._layer_salts = mix64(np.arange(config.num_layers, dtype=np.uint64) * _GOLDEN + self._seed_salt)
+
+    # -- planning
+
+    def start(self, item: GenItem) -> Generation:
+        return Generation(self, item, self.plan(item), self.cache.lookup(item.input_ids), self.weight_version)
+
+    def plan(self, item: GenItem) -> Plan:
+        cfg = self.config
+        entropy = (cfg.seed % _U64, ids_crc32(item.input_ids), item.sampling_seed % _U64)
+        rng = np.random.default_rng(list(entropy))
+        cap = item.max_new_tokens
+        drawn = int(rng.integers(1, cap + 1)) if cap > 0 else 0
+        n = cap if item.ignore_eos else drawn
+        # Draw from the vocabulary minus eos, so eos appears only where we decide the answer stops.
+        tokens = rng.integers(0, cfg.vocab_size - 1, size=n, dtype=np.int64)
+        tokens += tokens >= cfg.eos
+        scale = max(item.temperature, 0.05)
+        logprobs = -(rng.exponential(scale, size=n) + 1e-4)
+        finish: dict[str, Any] = {"type": "length", "length": cap}
+        if n < cap:
+            tokens[-1] = cfg.eos
+            finish = {"type": "stop", "matched": cfg.eos}
+        if item.stop_token_ids and n:
+            hits = np.flatnonzero(np.isin(tokens, np.array(item.stop_token_ids, dtype=np.int64)))
+            if hits.size:
+                n = int(hits[0]) + 1
+                tokens, logprobs = tokens[:n], logprobs[:n]
+                finish = {"type": "stop", "matched": int(tokens[-1])}
+        return Plan(tokens, logprobs, finish, entropy)
+
+    # -- per-position data
+
+    def routing_rows(self, seq: np.ndarray, start: int) -> np.ndarray:
+        """int32 [len(seq) - 1 - start, L, K]: routing of positions start .. len(seq)-2.
+
+        Depends only on (seed, position, token at position): the same prefix always routes the same.
+        """
+        cfg = self.config
+        rows = max(0, len(seq) - 1 - start)
+        pos = np.arange(start, start + rows, dtype=np.uint64)
+        tok = seq[start : start + rows].astype(np.uint64)
+        key = mix64(pos * _GOLDEN ^ mix64(tok + self._seed_salt))
+        base = (mix64(key[:, None] ^ self._layer_salts[None, :]) % np.uint64(cfg.num_experts)).astype(np.intp)
+        return self._expert_rows[base]
+
+    def top_p_sets(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, offsets) int32: 1..20 distinct ids per generated token, the sampled token first."""
+        n = plan.n
+        rng = np.random.default_rng([*plan.entropy, 1])
+        # Geometric sizes: median ~2 and a long tail, like real nucleus sets (PROTOCOL.md section 2).
+        sizes = np.minimum(rng.geometric(0.4, size=n), min(20, self.config.vocab_size))
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        owner = np.repeat(np.arange(n), sizes)
+        within = np.arange(offsets[-1], dtype=np.int64) - offsets[owner]
+        ids = (plan.output_ids[owner] + within) % self.config.vocab_size
+        return ids.astype(np.int32), offsets.astype(np.int32)
+
+    def text_ends(self, ids: np.ndarray) -> np.ndarray:
+        """Character offset where the text of each token ends, so any prefix's text is one slice."""
+        return np.cumsum(self._word_lens[ids]) if len(ids) else np.zeros(0, dtype=np.int64)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        words = self._words
+        return "".join([words[i] for i in ids])
+
+
+@dataclass
+class Generation:
+    """One request in flight: its plan plus builders for the answer after `m` generated tokens.
+
+    Builders are cumulative-stream friendly: the text and the serialized log-probs are computed once and each
+    chunk takes a slice, so a chunk costs a memcpy of its size rather than re-encoding every token.
+    """
+
+    engine: Engine
+    item: GenItem
+    plan: Plan
+    cached_tokens: int
+    weight_version: str
+    distortion: Distortion = NO_DISTORTION
+    _ids: list[int] = field(default_factory=list, init=False, repr=False)
+    _text: str | None = field(default=None, init=False, repr=False)
+    _text_ends: np.ndarray | None = field(default=None, init=False, repr=False)
+    _lp_json: bytes | None = field(default=None, init=False, repr=False)
+    _lp_ends: list[int] = field(default_factory=list, init=False, repr=False)
+    _top_p: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._ids = self.plan.output_ids.tolist()
+
+    @property
+    def n(self) -> int:
+        return self.plan.n
+
+    def fed_sequence(self, m: int) -> np.ndarray:
+        """Tokens that went through the model after `m` generated ones (the last sampled one never did)."""
+        return np.concatenate([self.item.input_ids, self.plan.output_ids[: max(m - 1, 0)]])
+
+    def payload_size(self, m: int) -> int:
+        """Rough element count of the final answer; large ones are built off the event loop."""
+        routing = (self.item.prompt_len + m) * self.engine.config.num_layers * self.engine.config.topk
+        return m * 8 + (routing if self.item.return_routed_experts else 0)
+
+    # -- pieces
+
+    def text(self, m: int) -> str:
+        if self._text is None:
+            self._text = self.engine.detokenize(self._ids)
+            self._text_ends = self.engine.text_ends(self.plan.output_ids)
+        assert self._text_ends is not None
+        return self._text[: int(self._text_ends[m - 1])] if m else ""
+
+    def logprobs(self, m: int) -> orjson.Fragment:
+        """`output_token_logprobs[:m]` as pre-serialized JSON: [[logprob, token_id, null], ...]."""
+        if self._lp_json is None:
+            values: list[float | None] = self.plan.logprobs.tolist()
+            if self.distortion.null_first_logprob and values:
+                values[0] = None
+            self._lp_json = orjson.dumps([[lp, tok, None] for lp, tok in zip(values, self._ids, strict=True)])
+            # Every element is [logprob, id, null], so "null]" closes each one: their ends index any prefix.
+            self._lp_ends = [match.end() for match in _ELEMENT_END.finditer(self._lp_json)]
+        body = self._lp_json[: self._lp_ends[m - 1]] if m else b"["
+        return orjson.Fragment(body + b"]")
+
+    def routed_experts(self, m: int) -> str:
+        d = self.distortion
+        seq = np.concatenate([self.item.input_ids, self.plan.output_ids[:m]])
+        rows = self.engine.routing_rows(seq, 0 if d.routing_from_zero else self.item.start_len)
+        if d.routing_rows_delta:
+            rows = rows[: max(0, len(rows) + d.routing_rows_delta)]
+        encoded = encode_i32(rows)
+        return "*" + encoded if d.garble_routing else encoded  # "*" is outside the base64 alphabet
+
+    def top_p(self, m: int) -> tuple[str, str]:
+        if self._top_p is None:
+            self._top_p = self.engine.top_p_sets(self.plan)
+        ids, offsets = self._top_p
+        offsets = offsets[: m + 1].copy()
+        ids = ids[: offsets[-1]]
+        if self.distortion.garble_offsets:
+            offsets[-1] += 1
+        return encode_i32(ids), encode_i32(offsets)
+
+    # -- whole answers
+
+    def _meta(self, m: int, finish: dict[str, Any] | None) -> dict[str, Any]:
+        """meta_info as SGLang 0.5 sends it on every stream chunk (keys verified against a real server)."""
+        cached = self.cached_tokens
+        meta: dict[str, Any] = {
+            "id": self.item.rid,
+            "finish_reason": finish,
+            "prompt_tokens": self.item.prompt_len,
+            "weight_version": self.weight_version,
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": m,
+            "cached_tokens": cached,
+            "cached_tokens_details": {"device": cached, "host": 0} if cached else None,
+            "dp_rank": None,
+        }
+        if self.item.return_logprob:
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = self.logprobs(m)
+            meta["output_token_logprobs_length"] = m
+        return meta
+
+    def _final_meta(self, m: int, finish: dict[str, Any], e2e_latency: float) -> dict[str, Any]:
+        """Plus what only the finished answer (the last chunk of a stream) carries."""
+        meta = self._meta(m, finish)
+        meta["weight_versions"] = [{"version": self.weight_version, "start": 0, "end": m}]
+        if self.item.return_routed_experts:
+            meta["routed_experts"] = self.routed_experts(m)
+        if self.item.return_top_p:
+            meta["top_p_token_ids"], meta["top_p_token_offsets"] = self.top_p(m)
+        meta["e2e_latency"] = e2e_latency
+        return meta
+
+    def _answer(self, m: int, meta: dict[str, Any]) -> dict[str, Any]:
+        for key in self.distortion.drop_keys:
+            meta.pop(key, None)
+        return {"text": self.text(m), "output_ids": self._ids[:m], "meta_info": meta}
+
+    def chunk(self, m: int) -> dict[str, Any]:
+        """A cumulative, unfinished stream chunk after `m` tokens."""
+        return self._answer(m, self._meta(m, None))
+
+    def final(self, m: int, finish: dict[str, Any], e2e_latency: float) -> dict[str, Any]:
+        """The finished answer (or last stream chunk) after `m` tokens, with routing and top-p arrays."""
+        return self._answer(m, self._final_meta(m, finish, e2e_latency))
+
+
+# --------------------------------------------------------------------------------------- request parsing
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    items: tuple[GenItem, ...]
+    batch: bool
+    stream: bool
+
+
+_INPUT_KEYS = ("input_ids", "text", "input_embeds")
+
+
+def parse_generate(body: Any, config: SimulatorConfig, new_rid: Callable[[], str]) -> GenerateRequest:
+    """Validate a /generate body the way SGLang does; raises BadRequest. `new_rid()` makes a default rid."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    given = [k for k in _INPUT_KEYS if body.get(k) is not None]
+    if len(given) != 1:
+        raise BadRequest(f"exactly one of input_ids, text or input_embeds must be given (got {given or 'none'})")
+    prompts, batch = _prompts(given[0], body[given[0]], config)
+    count = len(prompts)
+    params = _per_item(body.get("sampling_params"), count, batch, "sampling_params")
+    rids = _rids(body.get("rid"), count, batch, new_rid)
+    logprob = _per_item(body.get("return_logprob"), count, batch, "return_logprob")
+    routing = _per_item(body.get("return_routed_experts"), count, batch, "return_routed_experts")
+    starts = _per_item(body.get("routed_experts_start_len"), count, batch, "routed_experts_start_len")
+    stream = body.get("stream") is True
+    if stream and batch:
+        raise BadRequest("the simulator does not stream batched requests")
+    items = tuple(
+        _item(config, prompts[i], params[i], rids[i], logprob[i], routing[i], starts[i]) for i in range(count)
+    )
+    return GenerateRequest(items, batch, stream)
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int  # bool is an int subclass and not a token id
+
+
+def _ids(value: Any) -> np.ndarray:
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise BadRequest("input_ids must be a list of ints (or a list of such lists for a batch)")
+    if value and (min(value) < 0 or max(value) > MAX_TOKEN_ID):
+        raise BadRequest("input_ids must be in [0, 2**31-1]")
+    return np.array(value, dtype=np.int64)
+
+
+def _prompts(key: str, value: Any, config: SimulatorConfig) -> tuple[list[np.ndarray], bool]:
+    if key == "input_ids":
+        batch = isinstance(value, list) and bool(value) and isinstance(value[0], list)
+        prompts = [_ids(v) for v in value] if batch else [_ids(value)]
+    elif key == "text":
+        batch = isinstance(value, list)
+        texts = value if batch else [value]
+        if not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a list of strings")
+        prompts = [tokenize(t, config.vocab_size) for t in texts]
+    else:
+        batch = nesting_depth(value) == 3
+        try:
+            prompts = [embeds_to_ids(v, config.vocab_size) for v in (value if batch else [value])]
+        except (TypeError, ValueError) as exc:
+            raise BadRequest(f"input_embeds must be a list of float vectors: {exc}") from exc
+    if batch and not prompts:
+        raise BadRequest("empty batch")
+    if any(len(p) == 0 for p in prompts):
+        raise BadRequest("the input is empty")
+    return prompts, batch
+
+
+def nesting_depth(value: Any) -> int:
+    """How many list levels the first element path has: 1 for a prompt of ids, 2 for a batch of them."""
+    depth = 0
+    while isinstance(value, list) and value:
+        depth, value = depth + 1, value[0]
+    return depth
+
+
+def _per_item(value: Any, count: int, batch: bool, name: str) -> list[Any]:
+    """A batch may give one value for all prompts or a list with one per prompt."""
+    if batch and isinstance(value, list):
+        if len(value) != count:
+            raise BadRequest(f"{name} has {len(value)} entries for a batch of {count}")
+        return value
+    return [value] * count
+
+
+def _rids(value: Any, count: int, batch: bool, new_rid: Callable[[], str]) -> list[str]:
+    if value is None:
+        return [new_rid() for _ in range(count)]
+    if batch and isinstance(value, list) and len(value) == count and all(isinstance(r, str) for r in value):
+        return value
+    if isinstance(value, str):
+        return [value] if not batch else [f"{value}-{i}" for i in range(count)]
+    raise BadRequest("rid must be a string (or a list of strings for a batch)")
+
+
+def _item(
+    config: SimulatorConfig,
+    input_ids: np.ndarray,
+    params: Any,
+    rid: str,
+    logprob: Any,
+    routing: Any,
+    start_len: Any,
+) -> GenItem:
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise BadRequest("sampling_params must be an object")
+    start = 0 if start_len is None else start_len
+    if not _is_int(start) or not 0 <= start <= len(input_ids):
+        raise BadRequest(f"routed_experts_start_len must be an int in [0, {len(input_ids)}] (got {start_len!r})")
+    custom = params.get("custom_params") or {}
+    if not isinstance(custom, dict):
+        raise BadRequest("sampling_params.custom_params must be an object")
+    return GenItem(
+        rid=rid,
+        input_ids=input_ids,
+        max_new_tokens=_int_param(params, "max_new_tokens", config.default_max_new_tokens, 0, MAX_NEW_TOKENS),
+        temperature=_temperature(params.get("temperature")),
+        stop_token_ids=_stop_ids(params.get("stop_token_ids")),
+        sampling_seed=_int_param(params, "sampling_seed", 0, minimum=None),
+        ignore_eos=bool(params.get("ignore_eos")),
+        return_logprob=bool(logprob),
+        return_routed_experts=bool(routing) and config.enable_routed_experts,
+        start_len=start,
+        return_top_p=bool(custom.get("return_top_p_token_ids")),
+    )
+
+
+def _int_param(
+    params: dict[str, Any], name: str, default: int, minimum: int | None = 0, maximum: int | None = None
+) -> int:
+    value = params.get(name)
+    if value is None:
+        return default
+    too_low = minimum is not None and _is_int(value) and value < minimum
+    too_high = maximum is not None and _is_int(value) and value > maximum
+    if not _is_int(value) or too_low or too_high:
+        raise BadRequest(f"sampling_params.{name} must be an int in [{minimum}, {maximum}] (got {value!r})")
+    return value
+
+
+def _temperature(value: Any) -> float:
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise BadRequest(f"sampling_params.temperature must be a number >= 0 (got {value!r})")
+    return float(value)
+
+
+def _stop_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise BadRequest("sampling_params.stop_token_ids must be a list of ints")
+    return tuple(value)
