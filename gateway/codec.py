@@ -99,14 +99,16 @@ def decode_output_token_logprobs(items: Any) -> tuple[np.ndarray, np.ndarray]:
     try:
         ids = np.fromiter((item[1] for item in items), dtype=np.int64, count=n)
         log_probs = np.fromiter((item[0] for item in items), dtype=np.float64, count=n)
-    except (TypeError, ValueError, IndexError, KeyError) as exc:
+    except (TypeError, ValueError, IndexError, KeyError, OverflowError) as exc:  # Overflow: ids/log-probs >= 2**63
         raise UpstreamProtocolError(_explain_bad_logprob_item(items)) from exc
     if n and (ids.min() < 0 or ids.max() > INT32_MAX):
         raise UpstreamProtocolError("output_token_logprobs holds a token id outside [0, 2**31)")
-    if n and not np.isfinite(log_probs).all():
-        bad = int(np.flatnonzero(~np.isfinite(log_probs))[0])
-        raise UpstreamProtocolError(f"output_token_logprobs[{bad}] has a non-finite log-prob")
-    return ids.astype(np.int32), log_probs.astype(np.float32)
+    with np.errstate(over="ignore"):  # checked after the cast: |x| > 3.4e38 becomes +-inf in float32
+        log_probs32 = log_probs.astype(np.float32)
+    if n and not np.isfinite(log_probs32).all():
+        bad = int(np.flatnonzero(~np.isfinite(log_probs32))[0])
+        raise UpstreamProtocolError(f"output_token_logprobs[{bad}] has a non-finite log-prob (or beyond float32)")
+    return ids.astype(np.int32), log_probs32
 
 
 def _explain_bad_logprob_item(items: list[Any]) -> str:
@@ -121,6 +123,8 @@ def _explain_bad_logprob_item(items: list[Any]) -> str:
             return f"output_token_logprobs[{i}] log-prob is not a number: {logprob!r:.40}"
         if isinstance(token_id, bool) or not isinstance(token_id, int):
             return f"output_token_logprobs[{i}] token id is not an integer: {token_id!r:.40}"
+        if not 0 <= token_id <= INT32_MAX:
+            return f"output_token_logprobs[{i}] token id {token_id!r:.40} is outside [0, 2**31)"
     return "output_token_logprobs is malformed"
 
 
@@ -245,3 +249,145 @@ def narrowest_unsigned(max_value: int) -> np.dtype:
 def encode_safetensors(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
     """The compact sample on the wire: safetensors bytes (named tensors + string metadata)."""
     return safetensors_save({name: np.ascontiguousarray(a) for name, a in arrays.items()}, metadata=metadata)
+
+
+# ---- streaming: SGLang's cumulative SSE chunks, consumed in O(new tokens) per chunk -------------------------------
+SSE_DONE = b"[DONE]"
+_LOGPROBS_KEY = b'"output_token_logprobs":['
+_TEXT_PREFIX = b'{"text":"'
+
+
+def split_sse_events(buffer: bytearray) -> list[bytes]:
+    """Pop the complete ``data:`` payloads off the front of ``buffer`` (events end with a blank line)."""
+    events: list[bytes] = []
+    start = 0
+    while (end := buffer.find(b"\n\n", start)) != -1:
+        for line in bytes(buffer[start:end]).split(b"\n"):
+            if line.startswith(b"data:"):
+                events.append(line[5:].lstrip(b" ").rstrip(b"\r"))
+        start = end + 2
+    del buffer[:start]
+    return events
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """What one cumulative chunk added: the new tokens (and their text, when it could be cut out cheaply)."""
+
+    token_ids: np.ndarray
+    log_probs: np.ndarray
+    text: str
+
+
+class CumulativeStreamDecoder:
+    """Turns SGLang's cumulative chunks into deltas without re-parsing what was already seen.
+
+    Every chunk repeats the whole ``text``, ``output_ids`` and ``output_token_logprobs`` so far; parsing each
+    in full makes a turn O(n^2) in Python objects. SGLang serializes a chunk with the earlier items byte-for-byte
+    as before, so the decoder remembers where the seen items end inside the log-prob list and the text, locates
+    them with C-speed byte searches, and JSON-parses only the new bytes. The gateway asks without
+    ``return_text_in_logprobs``, so items are ``[logprob, id, null]`` and the list ends at the first ``]]``.
+    Anything unexpected falls back to a full parse of that chunk (correct, just slower). The final chunk
+    (``finish_reason`` set) is always parsed in full by ``decode_answer``: routing and top-p arrays live there.
+    """
+
+    def __init__(self) -> None:
+        self.num_tokens = 0
+        self.items_parsed = 0  # Python-level work done, for tests of the O(new tokens) claim
+        self.full_parses = 0
+        self._list_bytes = 0  # bytes from the list's '[' to the end of the last seen item
+        self._text_bytes = 0  # escaped bytes of the text seen so far
+        self._text_chars = 0
+        self._fast = True
+
+    def feed(self, payload: bytes) -> tuple[StreamDelta, dict[str, Any] | None]:
+        """Decode one chunk: (what it added, the parsed answer when the chunk is final or needed a full parse)."""
+        if self._fast and not _is_final_chunk(payload):
+            delta = self._fast_delta(payload)
+            if delta is not None:
+                return delta, None
+            self._fast = False
+        answer = _parse_json_object(payload)
+        self.full_parses += 1
+        return self._delta_from_answer(answer), answer
+
+    def _fast_delta(self, payload: bytes) -> StreamDelta | None:
+        key = payload.find(_LOGPROBS_KEY)
+        if key == -1:
+            return None
+        open_pos = key + len(_LOGPROBS_KEY) - 1
+        start = open_pos + (self._list_bytes if self.num_tokens else 1)
+        if payload[start : start + 1] == b"]":
+            items: list[Any] = []
+            end = start - 1
+        else:
+            end = payload.find(b"]]", start)
+            if end == -1:
+                return None
+            body = payload[start + 1 if self.num_tokens else start : end + 1]
+            try:
+                items = orjson.loads(b"[" + body + b"]")
+            except orjson.JSONDecodeError:
+                return None
+        text = self._text_delta(payload)
+        if text is None:
+            return None
+        try:
+            ids, log_probs = decode_output_token_logprobs(items)
+        except UpstreamProtocolError:
+            return None
+        self._list_bytes = end + 1 - open_pos
+        self.num_tokens += len(items)
+        self.items_parsed += len(items)
+        return StreamDelta(ids, log_probs, text)
+
+    def _text_delta(self, payload: bytes) -> str | None:
+        if not payload.startswith(_TEXT_PREFIX):
+            return None
+        begin = len(_TEXT_PREFIX) + self._text_bytes
+        close = payload.find(b'"', begin)
+        while close != -1 and _escaped(payload, close):
+            close = payload.find(b'"', close + 1)
+        if close == -1:
+            return None
+        try:
+            text = orjson.loads(b'"' + payload[begin:close] + b'"')
+        except orjson.JSONDecodeError:
+            return None
+        self._text_bytes = close - len(_TEXT_PREFIX)
+        self._text_chars += len(text)
+        return text
+
+    def _delta_from_answer(self, answer: dict[str, Any]) -> StreamDelta:
+        meta = answer.get("meta_info") if isinstance(answer.get("meta_info"), dict) else {}
+        items = meta.get("output_token_logprobs")
+        if not isinstance(items, list):
+            items = []
+        new = items[self.num_tokens :]
+        ids, log_probs = decode_output_token_logprobs(new)
+        text = answer.get("text") if isinstance(answer.get("text"), str) else ""
+        self.num_tokens += len(new)
+        self.items_parsed += len(items)
+        delta_text = text[self._text_chars :]
+        self._text_chars = len(text)
+        return StreamDelta(ids, log_probs, delta_text)
+
+
+def _is_final_chunk(payload: bytes) -> bool:
+    return b'"finish_reason":null' not in payload
+
+
+def _escaped(payload: bytes, quote: int) -> bool:
+    """Whether the quote at ``quote`` is escaped (an odd run of backslashes right before it)."""
+    run = 0
+    while quote - run - 1 >= 0 and payload[quote - run - 1] == 0x5C:
+        run += 1
+    return run % 2 == 1
+
+
+def stream_error_payload(answer: dict[str, Any]) -> dict[str, Any] | None:
+    """SGLang reports errors inside a stream as ``{"error": {"message", "code"}}`` with HTTP 200."""
+    error = answer.get("error")
+    if error is None:
+        return None
+    return error if isinstance(error, dict) else {"message": str(error)}

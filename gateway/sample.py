@@ -122,16 +122,24 @@ class SessionSample:
                 f"{self.response_length} response tokens without top-p data"
             )
 
-    def fold_model_turn(self, turn: DecodedTurn, *, routing_start_len: int = 0) -> TurnRecord:
-        """Append a model answer (trainable tokens). Validates everything, then mutates."""
+    def fold_model_turn(self, turn: DecodedTurn, *, routing_start_len: int = 0, partial: bool = False) -> TurnRecord:
+        """Append a model answer (trainable tokens). Validates everything, then mutates.
+
+        ``partial`` is a stream cut before its final chunk: the tokens are kept, with empty top-p spans when
+        the session keeps top-p data (the upstream never sent this turn's), and no routing rows (the next
+        turn's ``routed_experts_start_len`` asks for them).
+        """
         n = turn.num_tokens
         new_total = len(self.tokens) + n
         routing = self._plan_routing(turn.routed_experts, new_total, routing_start_len)
-        self._check_top_p(turn, n)
+        if not partial:
+            self._check_top_p(turn, n)
 
         self._append_tokens(turn.token_ids, trainable=True, log_probs=turn.log_probs, text=turn.text)
         if turn.top_p_offsets is not None and n:
             self._merge_top_p(turn.top_p_ids, turn.top_p_offsets)
+        elif self.top_p_offsets is not None:
+            self.top_p_offsets.append_repeat(self.top_p_offsets.last(), n)
         if routing is not None:
             self._apply_routing(routing)
         record = TurnRecord(

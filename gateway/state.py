@@ -35,8 +35,16 @@ class GatewayState:
         return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn)
 
     async def aclose(self) -> None:
+        await self.abort_running_turns("gateway shutting down")
         await self.upstream.aclose()
         self.cpu_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def abort_running_turns(self, reason: str, timeout_s: float = 5.0) -> None:
+        """Shutdown: every turn still in flight ends aborted-but-coherent, never half-written."""
+        running = self.store.running_turns()
+        for turn in running:
+            turn.abort(reason)
+        await asyncio.gather(*(turn.wait(timeout_s) for turn in running))
 
 
 def get_state(request: Request) -> GatewayState:

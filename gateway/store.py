@@ -7,7 +7,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.errors import GatewayError, SessionBusy, SessionExists, SessionNotFound
 from gateway.sample import SessionSample
@@ -16,6 +16,16 @@ from gateway.sample import SessionSample
 class TooManySessions(GatewayError):
     status_code = 429
     error_type = "too_many_sessions"
+
+
+class RunningTurn(Protocol):
+    """A model turn in flight on a session, as the abort endpoint and shutdown see it."""
+
+    rid: str
+
+    def abort(self, reason: str) -> None: ...
+
+    async def wait(self, timeout: float) -> bool: ...
 
 
 @dataclass
@@ -27,6 +37,7 @@ class Session:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     busy: bool = False
+    running: RunningTurn | None = None
 
     def touch(self) -> None:
         self.updated_at = time.time()
@@ -78,18 +89,30 @@ class SessionStore:
             raise SessionBusy(f"session {session_id!r} has a turn running; abort or wait for it first")
         del self._sessions[session_id]
 
-    @asynccontextmanager
-    async def exclusive(self, session_id: str) -> AsyncIterator[Session]:
+    def acquire(self, session_id: str) -> Session:
         """Hold the session for one turn or append: a second one on the same session is a 409."""
         session = self.get(session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id!r} already has a turn running", session_id=session_id)
         session.busy = True
+        return session
+
+    @staticmethod
+    def release(session: Session) -> None:
+        session.busy = False
+        session.running = None
+        session.touch()
+
+    @asynccontextmanager
+    async def exclusive(self, session_id: str) -> AsyncIterator[Session]:
+        session = self.acquire(session_id)
         try:
             yield session
         finally:
-            session.busy = False
-            session.touch()
+            self.release(session)
+
+    def running_turns(self) -> list[RunningTurn]:
+        return [s.running for s in self._sessions.values() if s.running is not None]
 
     @property
     def stored_bytes(self) -> int:

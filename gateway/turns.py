@@ -1,17 +1,35 @@
-"""One model turn of a session: build the SGLang request, call upstream, decode off-loop, fold."""
+"""One model turn of a session: build the SGLang request, call upstream, decode off-loop, fold.
+
+Two shapes share the planning and the fold: a unary turn (one JSON answer) and a streamed turn (SGLang's
+cumulative SSE, turned into deltas for the caller). A streamed turn runs in its own task, independent of
+the caller's connection, so an abort, a cut client or a dying upstream always ends in a coherent session.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
+import httpx
+import numpy as np
 import orjson
 
-from gateway.codec import DecodedTurn, decode_generate_response
-from gateway.errors import InvalidRequest
+from gateway.buffers import GrowableArray
+from gateway.codec import (
+    SSE_DONE,
+    CumulativeStreamDecoder,
+    DecodedTurn,
+    StreamDelta,
+    decode_answer,
+    decode_generate_response,
+    split_sse_events,
+    stream_error_payload,
+)
+from gateway.errors import GatewayError, InvalidRequest, UpstreamError, UpstreamProtocolError
 from gateway.schemas import TurnCreate
 from gateway.state import GatewayState
 from gateway.store import Session
@@ -19,6 +37,9 @@ from gateway.store import Session
 log = logging.getLogger("gateway.turns")
 
 TOP_P_FLAG = "return_top_p_token_ids"
+# After an abort, how long the upstream gets to end the stream itself (with its final chunk and replay data)
+# before the gateway closes the connection and folds what it has.
+ABORT_GRACE_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +51,7 @@ class TurnPlan:
     want_top_p: bool
     routing_start_len: int
     sampling_params: dict[str, Any]
+    prompt_length: int
 
 
 def plan_turn(session: Session, request: TurnCreate) -> TurnPlan:
@@ -53,6 +75,7 @@ def plan_turn(session: Session, request: TurnCreate) -> TurnPlan:
         want_top_p=want_top_p,
         routing_start_len=sample.routing_rows if want_routing else 0,
         sampling_params=sampling_params,
+        prompt_length=len(sample.tokens),
     )
 
 
@@ -72,27 +95,7 @@ def upstream_payload(session: Session, plan: TurnPlan, *, stream: bool = False) 
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -> dict[str, Any]:
-    """Runs with the session held exclusively (see ``SessionStore.exclusive``)."""
-    plan = plan_turn(session, request)
-    prompt_length = len(session.sample.tokens)
-    answer = await state.upstream.post_generate(upstream_payload(session, plan), routing_key=session.session_id)
-    decode = partial(decode_generate_response, answer, want_routing=plan.want_routing, want_top_p=plan.want_top_p)
-    turn = await state.run_cpu(len(answer), decode)
-    record = session.sample.fold_model_turn(turn, routing_start_len=plan.routing_start_len)
-    log.debug(
-        "session %s turn %d: +%d tokens (%s)",
-        session.session_id,
-        len(session.sample.turns) - 1,
-        turn.num_tokens,
-        turn.finish_type,
-    )
-    return turn_summary(session, plan, turn, prompt_length, record.routing_rows)
-
-
-def turn_summary(
-    session: Session, plan: TurnPlan, turn: DecodedTurn, prompt_length: int, routing_rows: int | None
-) -> dict[str, Any]:
+def turn_summary(session: Session, plan: TurnPlan, turn: DecodedTurn, routing_rows: int | None) -> dict[str, Any]:
     sample = session.sample
     return {
         "session_id": session.session_id,
@@ -102,7 +105,7 @@ def turn_summary(
         "text": turn.text,
         "finish_reason": turn.finish_reason,
         "status": sample.status.value,
-        "prompt_length": prompt_length,
+        "prompt_length": plan.prompt_length,
         "completion_tokens": turn.num_tokens,
         "response_length": sample.response_length,
         "total_tokens": len(sample.tokens),
@@ -114,3 +117,189 @@ def turn_summary(
         "routed_experts_rows": sample.routing_rows,
         "top_p_replay": plan.want_top_p,
     }
+
+
+def fold(session: Session, plan: TurnPlan, turn: DecodedTurn, *, partial: bool = False) -> dict[str, Any]:
+    record = session.sample.fold_model_turn(turn, routing_start_len=plan.routing_start_len, partial=partial)
+    log.debug("session %s: +%d tokens (%s)", session.session_id, turn.num_tokens, turn.finish_type)
+    return turn_summary(session, plan, turn, record.routing_rows)
+
+
+class TurnHandle:
+    """The running turn as the abort endpoint sees it (``store.RunningTurn``)."""
+
+    def __init__(self, state: GatewayState, plan: TurnPlan) -> None:
+        self.state = state
+        self.plan = plan
+        self.rid = plan.rid
+        self.abort_reason: str | None = None
+        self._done = asyncio.Event()
+        self._abort_task: asyncio.Task[None] | None = None
+
+    def abort(self, reason: str) -> None:
+        if self.abort_reason is not None or self._done.is_set():
+            return
+        self.abort_reason = reason
+        self._abort_task = asyncio.create_task(self._abort_upstream(), name=f"abort-{self.rid}")
+
+    async def _abort_upstream(self) -> None:
+        # SGLang answers an aborted rid with its partial tokens and replay data; through a router (no abort
+        # route) closing the connection is what aborts it.
+        await self.state.upstream.abort_request(self.rid)
+
+    async def wait(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._done.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def finished(self) -> None:
+        self._done.set()
+
+
+async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -> dict[str, Any]:
+    """A unary turn; runs with the session held exclusively (see ``SessionStore.exclusive``)."""
+    plan = plan_turn(session, request)
+    handle = TurnHandle(state, plan)
+    session.running = handle
+    try:
+        answer = await state.upstream.post_generate(upstream_payload(session, plan), routing_key=session.session_id)
+        turn = await state.run_cpu(
+            len(answer),
+            lambda: decode_generate_response(answer, want_routing=plan.want_routing, want_top_p=plan.want_top_p),
+        )
+        return fold(session, plan, turn)
+    finally:
+        handle.finished()
+
+
+async def open_stream_turn(state: GatewayState, session: Session, request: TurnCreate) -> StreamTurn:
+    """Plan and open the upstream stream; errors before the first byte are plain HTTP errors for the caller."""
+    plan = plan_turn(session, request)
+    response = await state.upstream.open_generate_stream(
+        upstream_payload(session, plan, stream=True), routing_key=session.session_id
+    )
+    return StreamTurn(state, session, plan, response)
+
+
+class StreamTurn(TurnHandle):
+    """A streamed turn: a producer task folds the upstream stream; the caller reads events from a queue."""
+
+    def __init__(self, state: GatewayState, session: Session, plan: TurnPlan, response: httpx.Response) -> None:
+        super().__init__(state, plan)
+        self.session = session
+        self.response = response
+        self.decoder = CumulativeStreamDecoder()
+        self.token_ids = GrowableArray(np.int32)
+        self.log_probs = GrowableArray(np.float32)
+        self.text_parts: list[str] = []
+        self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        session.running = self
+        self.task = asyncio.create_task(self._produce(), name=f"stream-{self.rid}")
+
+    async def client_events(self) -> AsyncIterator[bytes]:
+        """The caller's SSE: deltas, then a ``turn`` (or ``error``) event, then ``[DONE]``."""
+        try:
+            while (event := await self.events.get()) is not None:
+                yield b"data: " + orjson.dumps(event) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not self.task.done():  # the caller went away mid-turn
+                self.abort("client disconnected")
+
+    async def _abort_upstream(self) -> None:
+        await super()._abort_upstream()
+        if await self.wait(ABORT_GRACE_S):
+            return
+        log.info(
+            "session %s: upstream did not end rid %s in %.1fs; closing it",
+            self.session.session_id,
+            self.rid,
+            ABORT_GRACE_S,
+        )
+        self.task.cancel()
+
+    async def _produce(self) -> None:
+        try:
+            summary = await self._consume()
+            self.events.put_nowait({"type": "turn", **summary})
+        except asyncio.CancelledError:
+            self.events.put_nowait({"type": "turn", **self._fold_partial(self.abort_reason or "gateway shutdown")})
+            if self.abort_reason is None:
+                raise  # not our own hard stop: shutdown
+        except UpstreamProtocolError as exc:
+            # An invalid answer changes nothing, exactly as in a unary turn.
+            self.events.put_nowait({"type": "error", "error": exc.to_body()["error"], "turn": None})
+        except (GatewayError, httpx.HTTPError) as exc:
+            error = exc if isinstance(exc, GatewayError) else UpstreamError(f"upstream stream broke: {exc!r}")
+            partial = self._fold_partial(error.message) if len(self.token_ids) else None
+            self.events.put_nowait({"type": "error", "error": error.to_body()["error"], "turn": partial})
+        finally:
+            await self.response.aclose()
+            self.state.store.release(self.session)
+            self.finished()
+            self.events.put_nowait(None)
+
+    async def _consume(self) -> dict[str, Any]:
+        buffer = bytearray()
+        async for raw in self.response.aiter_raw():
+            buffer.extend(raw)
+            for payload in split_sse_events(buffer):
+                if payload == SSE_DONE:
+                    break
+                summary = await self._on_chunk(payload)
+                if summary is not None:
+                    return summary
+        raise UpstreamError("upstream stream ended without a final chunk")
+
+    async def _on_chunk(self, payload: bytes) -> dict[str, Any] | None:
+        delta, answer, turn = await self.state.run_cpu(len(payload), lambda: self._decode(payload))
+        if answer is not None and (error := stream_error_payload(answer)) is not None:
+            raise UpstreamError(
+                f"upstream reported an error in the stream: {error.get('message', error)}",
+                upstream_code=error.get("code"),
+            )
+        self._take(delta)
+        if turn is None:
+            return None
+        return fold(self.session, self.plan, turn)
+
+    def _decode(self, payload: bytes) -> tuple[StreamDelta, dict[str, Any] | None, DecodedTurn | None]:
+        delta, answer = self.decoder.feed(payload)
+        if answer is None or "error" in answer:
+            return delta, answer, None
+        meta = answer.get("meta_info")
+        if not isinstance(meta, dict) or meta.get("finish_reason") is None:
+            return delta, answer, None
+        return (
+            delta,
+            answer,
+            decode_answer(answer, want_routing=self.plan.want_routing, want_top_p=self.plan.want_top_p),
+        )
+
+    def _take(self, delta: StreamDelta) -> None:
+        if not len(delta.token_ids) and not delta.text:
+            return
+        self.token_ids.append(delta.token_ids)
+        self.log_probs.append(delta.log_probs)
+        self.text_parts.append(delta.text)
+        self.events.put_nowait(
+            {
+                "type": "delta",
+                "token_ids": delta.token_ids.tolist(),
+                "text": delta.text,
+                "completion_tokens": len(self.token_ids),
+            }
+        )
+
+    def _fold_partial(self, reason: str) -> dict[str, Any]:
+        """Fold every token received so far as an aborted turn (no replay data: the upstream never sent it)."""
+        turn = DecodedTurn(
+            token_ids=self.token_ids.view(),
+            log_probs=self.log_probs.view(),
+            text="".join(self.text_parts),
+            finish_reason={"type": "abort", "message": reason},
+            rid=self.rid,
+        )
+        return fold(self.session, self.plan, turn, partial=True)

@@ -18,6 +18,7 @@ from gateway.errors import (
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 # Request headers a passthrough forwards; everything else (host, content-length, ...) is the client's own.
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "authorization")
+ABORT_TIMEOUT_S = 2.0
 
 
 class Upstream:
@@ -48,6 +49,28 @@ class Upstream:
         if response.status_code >= 400:
             raise status_error(response.status_code, response.content)
         return response.content
+
+    async def open_generate_stream(self, body: bytes, *, routing_key: str | None) -> httpx.Response:
+        """A streamed ``/generate``: the open response (status checked), which the caller must close."""
+        headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        if routing_key:
+            headers[ROUTING_KEY_HEADER] = routing_key
+        response = await self.send(self.client.build_request("POST", "/generate", content=body, headers=headers))
+        if response.status_code >= 400:
+            try:
+                content = await response.aread()
+            finally:
+                await response.aclose()
+            raise status_error(response.status_code, content)
+        return response
+
+    async def abort_request(self, rid: str) -> bool:
+        """Best effort: SGLang workers abort a rid; routers have no such route (closing the stream aborts)."""
+        try:
+            response = await self.client.post("/abort_request", json={"rid": rid}, timeout=ABORT_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        return response.status_code < 400
 
     async def send(self, request: httpx.Request) -> httpx.Response:
         """Send a prepared request with the body left streaming (the caller closes the response)."""

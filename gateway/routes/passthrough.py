@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
+import httpx
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
-from starlette.background import BackgroundTask
 
 from gateway.state import StateDep
 from gateway.upstream import FORWARDED_REQUEST_HEADERS, ROUTING_KEY_HEADER
@@ -28,17 +30,21 @@ async def forward(request: Request, state: StateDep) -> Response:
     if media_type and media_type.startswith("text/event-stream"):
         # Each upstream event reaches the client as it arrives; the upstream response is closed when the
         # client's stream ends, normally or not.
-        return StreamingResponse(
-            response.aiter_raw(),
-            status_code=response.status_code,
-            media_type=media_type,
-            background=BackgroundTask(response.aclose),
-        )
+        return StreamingResponse(_relay(response), status_code=response.status_code, media_type=media_type)
     try:
         content = await response.aread()
     finally:
         await response.aclose()
     return Response(content, status_code=response.status_code, media_type=media_type)
+
+
+async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
+    """Upstream bytes as they arrive; the upstream response is closed however the client's stream ends."""
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    finally:
+        await response.aclose()
 
 
 for path in ("/generate", "/abort_request", "/flush_cache"):

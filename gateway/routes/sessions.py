@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 from fastapi import APIRouter, Response
+from fastapi.responses import StreamingResponse
 
 from gateway.responses import json_response, safetensors_response
 from gateway.sample import MoEShape, SessionSample
 from gateway.schemas import SampleBatchRequest, SessionCreate, ToolAppend, TurnCreate
 from gateway.state import StateDep
-from gateway.turns import run_turn
+from gateway.turns import ABORT_GRACE_S, open_stream_turn, run_turn
 from gateway.views import sample_bytes, samples_bytes, session_summary, session_view
 
 router = APIRouter(prefix="/v1", tags=["sessions"])
+ABORT_WAIT_S = ABORT_GRACE_S + 2.0
 
 
 @router.post("/sessions", status_code=201)
@@ -46,8 +48,35 @@ async def delete_session(session_id: str, state: StateDep) -> Response:
 
 @router.post("/sessions/{session_id}/generate")
 async def generate(session_id: str, body: TurnCreate, state: StateDep) -> Response:
+    if body.stream:
+        return await _stream_turn(session_id, body, state)
     async with state.store.exclusive(session_id) as session:
         return json_response(await run_turn(state, session, body))
+
+
+async def _stream_turn(session_id: str, body: TurnCreate, state: StateDep) -> Response:
+    session = state.store.acquire(session_id)
+    try:
+        turn = await open_stream_turn(state, session, body)
+    except BaseException:
+        state.store.release(session)  # nothing was sent to the caller yet: a plain HTTP error
+        raise
+    # From here the turn's own task owns the session and releases it, whatever the caller does.
+    return StreamingResponse(
+        turn.client_events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+    )
+
+
+@router.post("/sessions/{session_id}/abort")
+async def abort(session_id: str, state: StateDep) -> Response:
+    """Abort the running turn; answers once it has ended (tokens so far folded in, status aborted)."""
+    session = state.store.get(session_id)
+    running = session.running
+    if running is None:
+        return json_response(session_summary(session) | {"aborted": False, "detail": "no turn running"})
+    running.abort("abort requested by the caller")
+    finished = await running.wait(ABORT_WAIT_S)
+    return json_response(session_summary(session) | {"aborted": True, "rid": running.rid, "finished": finished})
 
 
 @router.post("/sessions/{session_id}/append")
