@@ -13,8 +13,10 @@ from fastapi.exceptions import RequestValidationError
 from gateway import __version__
 from gateway.config import Settings
 from gateway.errors import GatewayError, InvalidRequest
+from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.responses import json_response
 from gateway.routes import health, passthrough, sessions
+from gateway.routes import metrics as metrics_route
 from gateway.state import GatewayState
 from gateway.store import SessionStore
 from gateway.upstream import Upstream
@@ -23,6 +25,8 @@ log = logging.getLogger("gateway")
 
 
 def create_app(settings: Settings) -> FastAPI:
+    metrics = GatewayMetrics()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = GatewayState(
@@ -32,9 +36,16 @@ def create_app(settings: Settings) -> FastAPI:
                 timeout_s=settings.request_timeout_s,
                 connect_timeout_s=settings.connect_timeout_s,
                 max_connections=settings.max_connections,
+                metrics=metrics,
             ),
             store=SessionStore(settings.max_sessions),
             cpu_pool=ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="gateway-decode"),
+            metrics=metrics,
+        )
+        metrics.track_store(
+            sessions=lambda: len(state.store),
+            running=lambda: sum(1 for s in state.store if s.busy),
+            stored=lambda: state.store.stored_bytes,
         )
         app.state.gateway = state
         log.info("gateway %s (instance %s) -> upstream %s", __version__, state.instance_id, settings.upstream_base)
@@ -44,9 +55,11 @@ def create_app(settings: Settings) -> FastAPI:
             await state.aclose()
 
     app = FastAPI(title="slime-gateway", version=__version__, lifespan=lifespan)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_exception_handler(GatewayError, _gateway_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.include_router(health.router)
+    app.include_router(metrics_route.router)
     app.include_router(passthrough.router)
     app.include_router(sessions.router)
     return app
@@ -54,6 +67,7 @@ def create_app(settings: Settings) -> FastAPI:
 
 async def _gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
+    request.app.state.gateway.metrics.record_error(exc)
     if exc.status_code >= 500:
         log.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status_code, exc.error_type, exc)
     return json_response(exc.to_body(), status_code=exc.status_code)

@@ -13,6 +13,7 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Request
 
 from gateway.config import Settings
+from gateway.metrics import GatewayMetrics
 from gateway.store import SessionStore
 from gateway.upstream import Upstream
 
@@ -25,6 +26,7 @@ class GatewayState:
     upstream: Upstream
     store: SessionStore
     cpu_pool: ThreadPoolExecutor
+    metrics: GatewayMetrics
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = field(default_factory=time.time)
 
@@ -33,6 +35,14 @@ class GatewayState:
         if size < self.settings.decode_offload_bytes:
             return fn()
         return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn)
+
+    async def decode(self, kind: str, size: int, fn: Callable[[], T]) -> T:
+        """``run_cpu`` for decoding an upstream answer, timed into the decode metrics."""
+        started = time.perf_counter()
+        try:
+            return await self.run_cpu(size, fn)
+        finally:
+            self.metrics.observe_decode(kind, size, time.perf_counter() - started)
 
     async def aclose(self) -> None:
         await self.abort_running_turns("gateway shutting down")

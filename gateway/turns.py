@@ -119,8 +119,12 @@ def turn_summary(session: Session, plan: TurnPlan, turn: DecodedTurn, routing_ro
     }
 
 
-def fold(session: Session, plan: TurnPlan, turn: DecodedTurn, *, partial: bool = False) -> dict[str, Any]:
+def fold(
+    state: GatewayState, session: Session, plan: TurnPlan, turn: DecodedTurn, *, partial: bool = False
+) -> dict[str, Any]:
     record = session.sample.fold_model_turn(turn, routing_start_len=plan.routing_start_len, partial=partial)
+    state.metrics.turns.labels("model", "partial" if partial else (turn.finish_type or "none")).inc()
+    state.metrics.folded_tokens.labels("true").inc(turn.num_tokens)
     log.debug("session %s: +%d tokens (%s)", session.session_id, turn.num_tokens, turn.finish_type)
     return turn_summary(session, plan, turn, record.routing_rows)
 
@@ -165,11 +169,12 @@ async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -
     session.running = handle
     try:
         answer = await state.upstream.post_generate(upstream_payload(session, plan), routing_key=session.session_id)
-        turn = await state.run_cpu(
+        turn = await state.decode(
+            "answer",
             len(answer),
             lambda: decode_generate_response(answer, want_routing=plan.want_routing, want_top_p=plan.want_top_p),
         )
-        return fold(session, plan, turn)
+        return fold(state, session, plan, turn)
     finally:
         handle.finished()
 
@@ -230,9 +235,11 @@ class StreamTurn(TurnHandle):
                 raise  # not our own hard stop: shutdown
         except UpstreamProtocolError as exc:
             # An invalid answer changes nothing, exactly as in a unary turn.
+            self.state.metrics.record_error(exc)
             self.events.put_nowait({"type": "error", "error": exc.to_body()["error"], "turn": None})
         except (GatewayError, httpx.HTTPError) as exc:
             error = exc if isinstance(exc, GatewayError) else UpstreamError(f"upstream stream broke: {exc!r}")
+            self.state.metrics.record_error(error)
             partial = self._fold_partial(error.message) if len(self.token_ids) else None
             self.events.put_nowait({"type": "error", "error": error.to_body()["error"], "turn": partial})
         finally:
@@ -254,7 +261,7 @@ class StreamTurn(TurnHandle):
         raise UpstreamError("upstream stream ended without a final chunk")
 
     async def _on_chunk(self, payload: bytes) -> dict[str, Any] | None:
-        delta, answer, turn = await self.state.run_cpu(len(payload), lambda: self._decode(payload))
+        delta, answer, turn = await self.state.decode("stream_chunk", len(payload), lambda: self._decode(payload))
         if answer is not None and (error := stream_error_payload(answer)) is not None:
             raise UpstreamError(
                 f"upstream reported an error in the stream: {error.get('message', error)}",
@@ -263,7 +270,7 @@ class StreamTurn(TurnHandle):
         self._take(delta)
         if turn is None:
             return None
-        return fold(self.session, self.plan, turn)
+        return fold(self.state, self.session, self.plan, turn)
 
     def _decode(self, payload: bytes) -> tuple[StreamDelta, dict[str, Any] | None, DecodedTurn | None]:
         delta, answer = self.decoder.feed(payload)
@@ -302,4 +309,4 @@ class StreamTurn(TurnHandle):
             finish_reason={"type": "abort", "message": reason},
             rid=self.rid,
         )
-        return fold(self.session, self.plan, turn, partial=True)
+        return fold(self.state, self.session, self.plan, turn, partial=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -15,6 +16,9 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 
+if TYPE_CHECKING:
+    from gateway.metrics import GatewayMetrics
+
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 # Request headers a passthrough forwards; everything else (host, content-length, ...) is the client's own.
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "authorization")
@@ -24,8 +28,17 @@ ABORT_TIMEOUT_S = 2.0
 class Upstream:
     """Owns the ``httpx.AsyncClient``; created and closed by the app lifespan."""
 
-    def __init__(self, base_url: str, *, timeout_s: float, connect_timeout_s: float, max_connections: int) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float,
+        connect_timeout_s: float,
+        max_connections: int,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.base_url = base_url
+        self.metrics = metrics
         self.client = httpx.AsyncClient(
             base_url=base_url,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
@@ -42,10 +55,13 @@ class Upstream:
         headers = {"content-type": "application/json"}
         if routing_key:
             headers[ROUTING_KEY_HEADER] = routing_key
+        started = time.perf_counter()
         try:
             response = await self.client.post("/generate", content=body, headers=headers)
         except httpx.HTTPError as exc:
             raise translate_transport_error(exc, self.base_url) from exc
+        finally:
+            self._observe("generate", started)
         if response.status_code >= 400:
             raise status_error(response.status_code, response.content)
         return response.content
@@ -55,7 +71,11 @@ class Upstream:
         headers = {"content-type": "application/json", "accept": "text/event-stream"}
         if routing_key:
             headers[ROUTING_KEY_HEADER] = routing_key
-        response = await self.send(self.client.build_request("POST", "/generate", content=body, headers=headers))
+        started = time.perf_counter()
+        try:
+            response = await self.send(self.client.build_request("POST", "/generate", content=body, headers=headers))
+        finally:
+            self._observe("generate_stream", started)
         if response.status_code >= 400:
             try:
                 content = await response.aread()
@@ -79,6 +99,10 @@ class Upstream:
         except httpx.HTTPError as exc:
             raise translate_transport_error(exc, self.base_url) from exc
 
+    def _observe(self, call: str, started: float) -> None:
+        if self.metrics is not None:
+            self.metrics.upstream_seconds.labels(call).observe(time.perf_counter() - started)
+
 
 def translate_transport_error(exc: httpx.HTTPError, base_url: str) -> GatewayError:
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
@@ -88,17 +112,35 @@ def translate_transport_error(exc: httpx.HTTPError, base_url: str) -> GatewayErr
     return UpstreamError(f"upstream request failed: {type(exc).__name__}: {exc}")
 
 
+# ``error.code`` values of the SGLang routers (smg, sglang-router) that say more than their HTTP status: smg answers
+# 500 call_upstream_connection_failed when no worker accepts the connection (before its health checks notice).
+ROUTER_UNAVAILABLE_CODES = frozenset({"no_available_workers", "call_upstream_connection_failed"})
+ROUTER_TIMEOUT_CODES = frozenset({"call_upstream_timeout"})
+
+
 def status_error(status: int, body: bytes) -> GatewayError:
     """An upstream error status -> the gateway error the caller sees (openai-python's ``_make_status_error``)."""
     message = upstream_error_message(body)
-    detail = f"upstream answered {status}: {message}"
+    code = router_error_code(body)
+    detail = f"upstream answered {status}{f' ({code})' if code else ''}: {message}"
     if 400 <= status < 500:
         return UpstreamRejected(detail, status_code=status, upstream_status=status)
-    if status == 503 or "no_available_workers" in message or "No available workers" in message:
+    if status == 503 or code in ROUTER_UNAVAILABLE_CODES or "No available workers" in message:
         return UpstreamUnavailable(detail, upstream_status=status)
-    if status == 504:
+    if status == 504 or code in ROUTER_TIMEOUT_CODES:
         return UpstreamTimeout(detail, upstream_status=status)
     return UpstreamError(detail, upstream_status=status)
+
+
+def router_error_code(body: bytes) -> str | None:
+    """The machine-readable ``{"error": {"code": str}}`` of a router error body, if there is one."""
+    try:
+        parsed: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code[:100] if isinstance(code, str) and code else None
 
 
 def upstream_error_message(body: bytes) -> str:

@@ -410,3 +410,42 @@ async def test_slow_upstream_is_504(start_gateway: Any, simulator: Service, sim_
             assert response.status_code == 504
             assert response.json()["error"]["type"] == "upstream_timeout"
             assert (await client.get(f"/v1/sessions/{sid}")).json()["turns"] == 0
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------------
+def metric_value(scrape: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus text scrape (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(scrape):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+async def test_metrics_count_requests_errors_and_sessions(gw: httpx.AsyncClient, sim_faults: Any) -> None:
+    before = (await gw.get("/metrics")).text
+    sid = await new_session(gw)
+    await turn(gw, sid)
+    await sim_faults("wrong_rows")
+    assert (await gw.post(f"/v1/sessions/{sid}/generate", json={})).status_code == 502
+    response = await gw.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    after = response.text
+
+    def grew(name: str, **labels: str) -> float:
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
+
+    route = "/v1/sessions/{session_id}/generate"
+    assert grew("gateway_requests_total", route=route, method="POST", status="200") == 1
+    assert grew("gateway_requests_total", route=route, method="POST", status="502") == 1
+    assert grew("gateway_request_duration_seconds_count", route=route, method="POST") == 2
+    assert grew("gateway_upstream_errors_total", kind="upstream_protocol_error") == 1
+    assert grew("gateway_replay_validation_failures_total", reason="routing_element_count") == 1
+    assert grew("gateway_upstream_duration_seconds_count", call="generate") == 2
+    assert grew("gateway_decode_duration_seconds_count", kind="answer") == 2
+    assert grew("gateway_decoded_bytes_total", kind="answer") > 0
+    assert metric_value(after, "gateway_sessions_stored") >= 1
+    assert metric_value(after, "gateway_stored_bytes") > 0

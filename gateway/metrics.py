@@ -1,0 +1,125 @@
+"""Prometheus metrics, one registry per app (no process-global state), and the ASGI middleware that times routes.
+
+The middleware is plain ASGI rather than ``BaseHTTPMiddleware``: it adds no task or body copy to the
+passthrough's hot path, and it sees streamed responses end to end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import GatewayError, UpstreamError
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+DECODE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "gateway_requests",
+            "HTTP requests served, by route template and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "gateway_request_duration_seconds",
+            "Time to serve a request (streams: until the last byte)",
+            ["route", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_seconds = Histogram(
+            "gateway_upstream_duration_seconds",
+            "Upstream call latency (streams: until the response headers)",
+            ["call"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "gateway_upstream_errors", "Upstream failures by kind (the gateway error type)", ["kind"], registry=r
+        )
+        self.replay_failures = Counter(
+            "gateway_replay_validation_failures",
+            "Upstream answers rejected by validation, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.decode_seconds = Histogram(
+            "gateway_decode_duration_seconds",
+            "Time to decode and validate one upstream answer",
+            ["kind"],
+            buckets=DECODE_BUCKETS,
+            registry=r,
+        )
+        self.decode_bytes = Counter("gateway_decoded_bytes", "Upstream answer bytes decoded", ["kind"], registry=r)
+        self.turns = Counter(
+            "gateway_turns", "Session turns folded, by kind and outcome", ["kind", "outcome"], registry=r
+        )
+        self.folded_tokens = Counter("gateway_folded_tokens", "Tokens folded into sessions", ["trainable"], registry=r)
+
+    def track_store(self, sessions: Callable[[], int], running: Callable[[], int], stored: Callable[[], int]) -> None:
+        self.registry.register(_StoreCollector(sessions, running, stored))
+
+    def record_error(self, exc: GatewayError) -> None:
+        if isinstance(exc, UpstreamError):
+            self.upstream_errors.labels(exc.error_type).inc()
+            reason = exc.details.get("reason") or exc.details.get("missing")
+            if exc.error_type in ("upstream_protocol_error", "replay_data_dropped"):
+                self.replay_failures.labels(str(reason or exc.error_type)).inc()
+
+    def observe_decode(self, kind: str, size: int, seconds: float) -> None:
+        self.decode_seconds.labels(kind).observe(seconds)
+        self.decode_bytes.labels(kind).inc(size)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StoreCollector(Collector):
+    """Session gauges read at scrape time, so the hot path never updates them."""
+
+    def __init__(self, sessions: Callable[[], int], running: Callable[[], int], stored: Callable[[], int]) -> None:
+        self._sessions, self._running, self._stored = sessions, running, stored
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        yield GaugeMetricFamily("gateway_sessions_stored", "Sessions held by this gateway", value=self._sessions())
+        yield GaugeMetricFamily("gateway_sessions_active", "Sessions with a turn running", value=self._running())
+        yield GaugeMetricFamily(
+            "gateway_stored_bytes", "Bytes of session arrays held (slack included)", value=self._stored()
+        )
+
+
+class MetricsMiddleware:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            method = scope["method"]
+            self.metrics.requests.labels(route, method, str(status)).inc()
+            self.metrics.request_seconds.labels(route, method).observe(time.perf_counter() - started)
