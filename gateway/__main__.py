@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",
         timeout_graceful_shutdown=30,
+        timeout_keep_alive=int(settings.keep_alive_s),
     )
 
 

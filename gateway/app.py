@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,10 +49,12 @@ def create_app(settings: Settings) -> FastAPI:
             stored=lambda: state.store.stored_bytes,
         )
         app.state.gateway = state
+        sweeper = asyncio.create_task(_expire_idle_sessions(state), name="session-ttl")
         log.info("gateway %s (instance %s) -> upstream %s", __version__, state.instance_id, settings.upstream_base)
         try:
             yield
         finally:
+            sweeper.cancel()
             await state.aclose()
 
     app = FastAPI(title="slime-gateway", version=__version__, lifespan=lifespan)
@@ -63,6 +66,17 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(passthrough.router)
     app.include_router(sessions.router)
     return app
+
+
+async def _expire_idle_sessions(state: GatewayState) -> None:
+    ttl = state.settings.session_idle_ttl_s
+    if not ttl:
+        return
+    while True:
+        await asyncio.sleep(min(60.0, ttl / 4))
+        expired = state.store.expire_idle(ttl)
+        if expired:
+            log.info("expired %d sessions idle for more than %.0fs", len(expired), ttl)
 
 
 async def _gateway_error(request: Request, exc: Exception) -> Response:

@@ -71,6 +71,20 @@ class GrowableArray:
         self._data[self._len : self._len + count] = value
         self._len += count
 
+    def replace_tail(self, keep: int, values: np.ndarray) -> None:
+        """Keep the first ``keep`` items and append ``values``, never writing over visible items in place.
+
+        Views handed out earlier (e.g. to a thread encoding the sample) stay valid snapshots: when the new
+        items would land on visible ones, the data moves to a fresh array instead.
+        """
+        if not 0 <= keep <= self._len:
+            raise ValueError(f"cannot keep {keep} of {self._len} items")
+        if keep < self._len:
+            fresh = np.empty((keep + len(values), *self._data.shape[1:]), dtype=self._data.dtype)
+            fresh[:keep] = self._data[:keep]
+            self._data, self._len = fresh, keep
+        self.append(values)
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._len:
             raise ValueError(f"cannot truncate {self._len} items to {length}")

@@ -21,6 +21,10 @@ class Settings(BaseSettings):
     )
     decode_threads: int = Field(4, ge=1)
     max_sessions: int = Field(1_000_000, ge=1, description="refuse new sessions beyond this many (429)")
+    session_idle_ttl_s: float = Field(
+        3600.0, ge=0, description="drop sessions untouched for this long (abandoned rollouts); 0 keeps them forever"
+    )
+    keep_alive_s: float = Field(75.0, gt=0, description="idle client connections are kept open this long")
 
     @field_validator("upstream_url")
     @classmethod

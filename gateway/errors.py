@@ -12,8 +12,9 @@ base64, numpy) are translated into it at one boundary each, with ``raise ... fro
     └── UpstreamError                   502 upstream_error       anything wrong on the SGLang side
         ├── UpstreamProtocolError       502 upstream_protocol_error   answer that breaks PROTOCOL.md
         │   └── ReplayDataDropped       502 replay_data_dropped  asked for routing / top-p, got none
-        ├── UpstreamRejected            4xx upstream_rejected    SGLang/router refused the request
-        ├── UpstreamUnavailable         503 upstream_unavailable cannot connect, or 503 from upstream
+        ├── UpstreamRejected            400 upstream_rejected    SGLang/router refused the request (4xx)
+        ├── UpstreamConnectionLost      502 upstream_connection_lost  dropped after the request was sent
+        ├── UpstreamUnavailable         503 upstream_unavailable cannot connect, or 503/429 from upstream
         └── UpstreamTimeout             504 upstream_timeout
 
 The JSON body of an error response is ``{"error": {"type": ..., "message": ..., **details}}``.
@@ -76,10 +77,17 @@ class ReplayDataDropped(UpstreamProtocolError):
 
 
 class UpstreamRejected(UpstreamError):
-    """The upstream answered 4xx: the request itself was refused, so the caller gets the same status."""
+    """The upstream answered 4xx: the request itself was refused. Always 400 to the caller (the upstream's
+    status is in ``upstream_status``): an upstream 404/409 must not read as the v1 API's unknown/busy session."""
 
     status_code = 400
     error_type = "upstream_rejected"
+
+
+class UpstreamConnectionLost(UpstreamError):
+    """The connection broke after the request was sent: the turn may have run, so this is not a retryable 503."""
+
+    error_type = "upstream_connection_lost"
 
 
 class UpstreamUnavailable(UpstreamError):

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from gateway.buffers import GrowableArray
-from gateway.codec import DecodedTurn, narrowest_unsigned
+from gateway.codec import INT32_MAX, DecodedTurn, narrowest_unsigned, unsigned_max
 from gateway.errors import InvalidRequest, UpstreamProtocolError
 
 
@@ -46,6 +46,7 @@ class RoutingPlan:
 
     keep_rows: int
     rows: np.ndarray  # [new_rows, L, K] int32
+    max_id: int
     upstream_ignored_start_len: bool = False
 
 
@@ -122,24 +123,16 @@ class SessionSample:
                 f"{self.response_length} response tokens without top-p data"
             )
 
-    def fold_model_turn(self, turn: DecodedTurn, *, routing_start_len: int = 0, partial: bool = False) -> TurnRecord:
-        """Append a model answer (trainable tokens). Validates everything, then mutates.
-
-        ``partial`` is a stream cut before its final chunk: the tokens are kept, with empty top-p spans when
-        the session keeps top-p data (the upstream never sent this turn's), and no routing rows (the next
-        turn's ``routed_experts_start_len`` asks for them).
-        """
+    def fold_model_turn(self, turn: DecodedTurn, *, routing_start_len: int = 0) -> TurnRecord:
+        """Append a model answer (trainable tokens). Validates everything, then mutates."""
         n = turn.num_tokens
         new_total = len(self.tokens) + n
-        routing = self._plan_routing(turn.routed_experts, new_total, routing_start_len)
-        if not partial:
-            self._check_top_p(turn, n)
+        routing = self._plan_routing(turn, new_total, routing_start_len)
+        self._check_top_p(turn, n)
 
         self._append_tokens(turn.token_ids, trainable=True, log_probs=turn.log_probs, text=turn.text)
         if turn.top_p_offsets is not None and n:
             self._merge_top_p(turn.top_p_ids, turn.top_p_offsets)
-        elif self.top_p_offsets is not None:
-            self.top_p_offsets.append_repeat(self.top_p_offsets.last(), n)
         if routing is not None:
             self._apply_routing(routing)
         record = TurnRecord(
@@ -197,9 +190,13 @@ class SessionSample:
         self.top_p_ids.append(ids)
         self.top_p_offsets.append(offsets[1:] + np.int32(base))
 
-    def _plan_routing(self, routed: np.ndarray | None, new_total: int, start_len: int) -> RoutingPlan | None:
+    def _plan_routing(self, turn: DecodedTurn, new_total: int, start_len: int) -> RoutingPlan | None:
+        routed = turn.routed_experts
         if routed is None:
             return None
+        max_id = turn.routed_max if turn.routed_max is not None else unsigned_max(routed)
+        if max_id > INT32_MAX:
+            raise UpstreamProtocolError("meta_info.routed_experts holds a negative expert id")
         if self.moe is None:
             raise InvalidRequest("routed experts need the session's MoE shape (num_layers, moe_router_topk)")
         row = self.moe.row_size
@@ -221,17 +218,16 @@ class SessionSample:
                 reason="routing_element_count",
             )
         rows = routed.reshape(-1, self.moe.num_layers, self.moe.topk)
-        return RoutingPlan(keep_rows=keep, rows=rows, upstream_ignored_start_len=ignored)
+        return RoutingPlan(keep_rows=keep, rows=rows, max_id=max_id, upstream_ignored_start_len=ignored)
 
     def _apply_routing(self, plan: RoutingPlan) -> None:
-        max_id = int(plan.rows.max()) if plan.rows.size else 0
+        max_id = plan.max_id
         if self.routed_experts is None:
             dtype = narrowest_unsigned(max_id)
             self.routed_experts = GrowableArray(dtype, (self.moe.num_layers, self.moe.topk))  # type: ignore[union-attr]
         elif max_id > np.iinfo(self.routed_experts.dtype).max:
             self.routed_experts.widen(narrowest_unsigned(max_id))
-        self.routed_experts.truncate(plan.keep_rows)
-        self.routed_experts.append(plan.rows)
+        self.routed_experts.replace_tail(plan.keep_rows, plan.rows)
 
     def _apply_terminal_info(self, turn: DecodedTurn) -> None:
         self.cached_tokens += turn.cached_tokens

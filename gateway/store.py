@@ -114,6 +114,14 @@ class SessionStore:
     def running_turns(self) -> list[RunningTurn]:
         return [s.running for s in self._sessions.values() if s.running is not None]
 
+    def expire_idle(self, ttl_s: float, now: float | None = None) -> list[str]:
+        """Drop sessions untouched for ``ttl_s`` (abandoned rollouts); a session with a turn running stays."""
+        cutoff = (time.time() if now is None else now) - ttl_s
+        expired = [s.session_id for s in self._sessions.values() if not s.busy and s.updated_at < cutoff]
+        for session_id in expired:
+            del self._sessions[session_id]
+        return expired
+
     @property
     def stored_bytes(self) -> int:
         return sum(s.sample.stored_bytes for s in self._sessions.values())

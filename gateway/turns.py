@@ -116,13 +116,14 @@ def turn_summary(session: Session, plan: TurnPlan, turn: DecodedTurn, routing_ro
         "routed_experts_rows_received": routing_rows,
         "routed_experts_rows": sample.routing_rows,
         "top_p_replay": plan.want_top_p,
+        "spec_counters": turn.spec_counters,
     }
 
 
 def fold(
     state: GatewayState, session: Session, plan: TurnPlan, turn: DecodedTurn, *, partial: bool = False
 ) -> dict[str, Any]:
-    record = session.sample.fold_model_turn(turn, routing_start_len=plan.routing_start_len, partial=partial)
+    record = session.sample.fold_model_turn(turn, routing_start_len=plan.routing_start_len)
     state.metrics.turns.labels("model", "partial" if partial else (turn.finish_type or "none")).inc()
     state.metrics.folded_tokens.labels("true").inc(turn.num_tokens)
     log.debug("session %s: +%d tokens (%s)", session.session_id, turn.num_tokens, turn.finish_type)
@@ -301,12 +302,21 @@ class StreamTurn(TurnHandle):
         )
 
     def _fold_partial(self, reason: str) -> dict[str, Any]:
-        """Fold every token received so far as an aborted turn (no replay data: the upstream never sent it)."""
+        """Fold every token received so far as an aborted turn.
+
+        The upstream never sent this turn's replay data: the tokens get empty top-p spans (when top-p replay
+        is on, so the session keeps it) and no routing rows (the next turn's ``routed_experts_start_len``
+        asks for them, as after tool tokens).
+        """
+        n = len(self.token_ids)
+        no_spans = (np.empty(0, np.int32), np.zeros(n + 1, np.int32)) if self.plan.want_top_p else (None, None)
         turn = DecodedTurn(
             token_ids=self.token_ids.view(),
             log_probs=self.log_probs.view(),
             text="".join(self.text_parts),
             finish_reason={"type": "abort", "message": reason},
             rid=self.rid,
+            top_p_ids=no_spans[0],
+            top_p_offsets=no_spans[1],
         )
         return fold(self.state, self.session, self.plan, turn, partial=True)

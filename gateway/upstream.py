@@ -10,6 +10,7 @@ import orjson
 
 from gateway.errors import (
     GatewayError,
+    UpstreamConnectionLost,
     UpstreamError,
     UpstreamRejected,
     UpstreamTimeout,
@@ -105,11 +106,15 @@ class Upstream:
 
 
 def translate_transport_error(exc: httpx.HTTPError, base_url: str) -> GatewayError:
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-        return UpstreamTimeout(f"upstream {base_url} did not answer in time ({type(exc).__name__})")
+    """httpx errors -> gateway errors. Only failures before the request left us are 503 (safe to retry)."""
+    name = type(exc).__name__
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+        return UpstreamUnavailable(f"upstream {base_url} is unreachable: {name}: {exc}")
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(f"upstream {base_url} did not answer in time ({name})")
     if isinstance(exc, httpx.TransportError):
-        return UpstreamUnavailable(f"upstream {base_url} is unreachable: {type(exc).__name__}: {exc}")
-    return UpstreamError(f"upstream request failed: {type(exc).__name__}: {exc}")
+        return UpstreamConnectionLost(f"connection to upstream {base_url} lost after the request was sent: {name}")
+    return UpstreamError(f"upstream request failed: {name}: {exc}")
 
 
 # ``error.code`` values of the SGLang routers (smg, sglang-router) that say more than their HTTP status: smg answers
@@ -123,10 +128,10 @@ def status_error(status: int, body: bytes) -> GatewayError:
     message = upstream_error_message(body)
     code = router_error_code(body)
     detail = f"upstream answered {status}{f' ({code})' if code else ''}: {message}"
-    if 400 <= status < 500:
-        return UpstreamRejected(detail, status_code=status, upstream_status=status)
-    if status == 503 or code in ROUTER_UNAVAILABLE_CODES or "No available workers" in message:
+    if status in (429, 503) or code in ROUTER_UNAVAILABLE_CODES or "No available workers" in message:
         return UpstreamUnavailable(detail, upstream_status=status)
+    if 400 <= status < 500:
+        return UpstreamRejected(detail, upstream_status=status)
     if status == 504 or code in ROUTER_TIMEOUT_CODES:
         return UpstreamTimeout(detail, upstream_status=status)
     return UpstreamError(detail, upstream_status=status)

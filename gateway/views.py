@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -76,14 +77,30 @@ def sample_metadata(session: Session) -> dict[str, str]:
     return meta
 
 
-def sample_bytes(session: Session) -> bytes:
-    return encode_safetensors(session.sample.arrays(), sample_metadata(session))
+@dataclass(frozen=True, slots=True)
+class SamplePayload:
+    """A snapshot of one or more samples, taken on the event loop and safe to encode in another thread:
+    the arrays are views, and session buffers only ever grow past them (see ``GrowableArray.replace_tail``)."""
+
+    arrays: dict[str, np.ndarray]
+    metadata: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def encode(self) -> bytes:
+        return encode_safetensors(self.arrays, self.metadata)
 
 
-def samples_bytes(sessions: list[Session]) -> bytes:
+def sample_payload(session: Session) -> SamplePayload:
+    return SamplePayload(session.sample.arrays(), sample_metadata(session))
+
+
+def group_payload(sessions: list[Session]) -> SamplePayload:
     """A whole group in one safetensors file: tensors named ``{i}/{field}``, metadata under ``samples``."""
     arrays: dict[str, np.ndarray] = {}
     for i, session in enumerate(sessions):
         arrays.update({f"{i}/{name}": a for name, a in session.sample.arrays().items()})
     metadata = {"samples": orjson.dumps([sample_metadata(s) for s in sessions]).decode(), "count": str(len(sessions))}
-    return encode_safetensors(arrays, metadata)
+    return SamplePayload(arrays, metadata)

@@ -306,3 +306,19 @@ def test_per_chunk_work_is_flat(n: int) -> None:
     delta, answer = decoder.feed(chunks[-1])
     assert answer is not None and decoder.full_parses == 1
     assert decoder.num_tokens == n
+
+
+async def test_cut_first_turn_keeps_top_p_replay_on(gw: httpx.AsyncClient, sim: httpx.AsyncClient) -> None:
+    """A first turn cut before its final chunk still leaves top-p replay on (empty spans for its tokens)."""
+    sid = await create(gw, [4, 5, 6])
+    await sim.post("/sim/faults", json={"mode": "cut_stream"})
+    body = {"stream": True, "sampling_params": {"max_new_tokens": 50, "ignore_eos": True, **TOP_P}}
+    async with gw.stream("POST", f"/v1/sessions/{sid}/generate", json=body) as response:
+        events = sse_payloads(b"".join([c async for c in response.aiter_raw()]))
+    assert orjson.loads(events[-2])["type"] == "error"
+    view = await wait_idle(gw, sid)
+    assert view["status"] == "aborted" and view["response_length"] > 0
+    assert view["replay"]["top_p"] is True
+    events = await stream_turn(gw, sid, {"max_new_tokens": 5, **TOP_P})
+    assert events[-1]["type"] == "turn"
+    await check_invariants(gw, sid)

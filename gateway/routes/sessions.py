@@ -11,7 +11,7 @@ from gateway.sample import MoEShape, SessionSample
 from gateway.schemas import SampleBatchRequest, SessionCreate, ToolAppend, TurnCreate
 from gateway.state import StateDep
 from gateway.turns import ABORT_GRACE_S, open_stream_turn, run_turn
-from gateway.views import sample_bytes, samples_bytes, session_summary, session_view
+from gateway.views import group_payload, sample_payload, session_summary, session_view
 
 router = APIRouter(prefix="/v1", tags=["sessions"])
 ABORT_WAIT_S = ABORT_GRACE_S + 2.0
@@ -88,11 +88,11 @@ async def append(session_id: str, body: ToolAppend, state: StateDep) -> Response
 
 @router.get("/sessions/{session_id}/sample")
 async def get_sample(session_id: str, state: StateDep) -> Response:
-    session = state.store.get(session_id)
-    return safetensors_response(sample_bytes(session))
+    payload = sample_payload(state.store.get(session_id))
+    return safetensors_response(await state.run_cpu(payload.nbytes, payload.encode))
 
 
 @router.post("/samples")
 async def get_samples(body: SampleBatchRequest, state: StateDep) -> Response:
-    sessions = [state.store.get(sid) for sid in body.session_ids]
-    return safetensors_response(samples_bytes(sessions))
+    payload = group_payload([state.store.get(sid) for sid in body.session_ids])
+    return safetensors_response(await state.run_cpu(payload.nbytes, payload.encode))
