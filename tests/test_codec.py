@@ -1,0 +1,304 @@
+"""The pure codec: SGLang answers -> validated compact arrays (PROTOCOL.md section 2), samples -> safetensors."""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+import orjson
+import pybase64
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import load as safetensors_load
+
+from gateway.codec import (
+    check_top_p_spans,
+    decode_answer,
+    decode_generate_response,
+    decode_int32_b64,
+    decode_output_token_logprobs,
+    encode_safetensors,
+    narrowest_unsigned,
+)
+from gateway.errors import ReplayDataDropped, UpstreamError, UpstreamProtocolError
+
+
+def b64_int32(values: Any) -> str:
+    return pybase64.b64encode(np.asarray(values, dtype="<i4").tobytes()).decode("ascii")
+
+
+def answer(**meta_changes: Any) -> dict[str, Any]:
+    """A well-formed 3-token answer with routing (4 rows of [2, 2]) and top-p spans; ``None`` drops a key."""
+    meta: dict[str, Any] = {
+        "id": "rid-7",
+        "finish_reason": {"type": "length", "length": 3},
+        "prompt_tokens": 2,
+        "completion_tokens": 3,
+        "cached_tokens": 1,
+        "weight_version": "default",
+        "spec_verify_ct": 2,
+        "output_token_logprobs": [[-0.5, 10, "a"], [-1.5, 11, "b"], [0.0, 12, None]],
+        "routed_experts": b64_int32(np.arange(16)),
+        "top_p_token_ids": b64_int32([10, 3, 11, 12]),
+        "top_p_token_offsets": b64_int32([0, 2, 3, 4]),
+    }
+    meta.update(meta_changes)
+    return {"text": "abc", "output_ids": [10, 11, 12], "meta_info": {k: v for k, v in meta.items() if v is not None}}
+
+
+def body(**meta_changes: Any) -> bytes:
+    return orjson.dumps(answer(**meta_changes))
+
+
+def decode(data: bytes | dict[str, Any], *, want_routing: bool = True, want_top_p: bool = True) -> Any:
+    if isinstance(data, bytes):
+        return decode_generate_response(data, want_routing=want_routing, want_top_p=want_top_p)
+    return decode_answer(data, want_routing=want_routing, want_top_p=want_top_p)
+
+
+# ---- decode_generate_response: good answers -------------------------------------------------------------------
+def test_decodes_a_full_answer() -> None:
+    turn = decode(body())
+    assert turn.token_ids.dtype == np.int32 and turn.token_ids.tolist() == [10, 11, 12]
+    assert turn.log_probs.dtype == np.float32 and turn.log_probs.tolist() == [-0.5, -1.5, 0.0]
+    assert (turn.text, turn.rid, turn.finish_type, turn.num_tokens) == ("abc", "rid-7", "length", 3)
+    assert (turn.prompt_tokens, turn.completion_tokens, turn.cached_tokens) == (2, 3, 1)
+    assert turn.weight_version == "default"
+    assert turn.spec_counters == {"spec_verify_ct": 2}
+    assert turn.routed_experts is not None and turn.routed_experts.tolist() == list(range(16))
+    assert turn.top_p_ids is not None and turn.top_p_ids.tolist() == [10, 3, 11, 12]
+    assert turn.top_p_offsets is not None and turn.top_p_offsets.tolist() == [0, 2, 3, 4]
+
+
+def test_token_ids_come_from_output_token_logprobs_not_output_ids() -> None:
+    data = answer()
+    data["output_ids"] = [99, 98, 97]
+    assert decode(data).token_ids.tolist() == [10, 11, 12]
+
+
+def test_replay_data_is_ignored_unless_asked_for_routing() -> None:
+    turn = decode(body(routed_experts="not even base64"), want_routing=False)
+    assert turn.routed_experts is None
+
+
+def test_top_p_alias_keys() -> None:
+    data = body(
+        top_p_token_ids=None,
+        top_p_token_offsets=None,
+        top_p_kept_token_ids=b64_int32([1]),
+        top_p_kept_token_offsets=b64_int32([0, 1, 1, 1]),
+    )
+    turn = decode(data)
+    assert turn.top_p_ids is not None and turn.top_p_ids.tolist() == [1]
+    assert turn.top_p_offsets is not None and turn.top_p_offsets.tolist() == [0, 1, 1, 1]
+
+
+def test_optional_fields_default() -> None:
+    data = {"meta_info": {"output_token_logprobs": [], "weight_version": 3, "cached_tokens": None}}
+    turn = decode(data, want_routing=False, want_top_p=False)
+    assert (turn.num_tokens, turn.text, turn.finish_reason, turn.rid) == (0, "", None, None)
+    assert (turn.weight_version, turn.cached_tokens, turn.spec_counters) == ("3", 0, {})
+
+
+def test_zero_tokens_need_no_top_p_and_an_early_abort_no_routing() -> None:
+    empty = {"output_token_logprobs": [], "top_p_token_ids": None, "top_p_token_offsets": None}
+    turn = decode(body(**empty, routed_experts=None, finish_reason={"type": "abort", "message": "x"}))
+    assert (turn.routed_experts, turn.top_p_ids) == (None, None)
+    with pytest.raises(ReplayDataDropped):  # a finished zero-token answer still owes its prompt rows
+        decode(body(**empty, routed_experts=None))
+
+
+# ---- decode_generate_response: bad answers --------------------------------------------------------------------
+LOGPROB_ITEMS: dict[str, Any] = {
+    "missing": None,
+    "not a list": {"0": [-0.5, 1]},
+    "item not a list": [-0.5],
+    "item too short": [[-0.5]],
+    "null log-prob": [[None, 1, "a"]],
+    "string log-prob": [["-0.5", 1, "a"]],
+    "log-prob beyond float32": [[-1e300, 1, "a"]],
+    "null token id": [[-0.5, None, "a"]],
+    "negative token id": [[-0.5, -1, "a"]],
+    "token id beyond int32": [[-0.5, 2**31, "a"]],
+    "token id beyond int64": [[-0.5, 2**64 - 1, "a"]],
+}
+
+BAD_BODIES: dict[str, bytes] = {
+    "invalid JSON": b'{"text": "abc", ',
+    "empty body": b"",
+    "batch array": orjson.dumps([answer()]),
+    "string": b'"abc"',
+    "number": b"3",
+    "null": b"null",
+    "missing meta_info": b'{"text": "abc", "output_ids": []}',
+    "meta_info not an object": b'{"text": "abc", "meta_info": [1]}',
+    "finish_reason a string": body(finish_reason="stop"),
+    "finish_reason without type": body(finish_reason={"matched": 2}),
+    "finish_reason type not a string": body(finish_reason={"type": 1}),
+    "non-numeric counter": body(cached_tokens="many"),
+    "boolean counter": body(prompt_tokens=True),
+    "list counter": body(completion_tokens=[3]),
+    "non-numeric spec counter": body(spec_verify_ct="x"),
+    "text not a string": orjson.dumps({**answer(), "text": ["abc"]}),
+    **{f"output_token_logprobs {name}": body(output_token_logprobs=items) for name, items in LOGPROB_ITEMS.items()},
+    "routing bad base64": body(routed_experts="@@@@"),
+    "routing not a string": body(routed_experts=[1, 2]),
+    "top-p ids only": body(top_p_token_offsets=None),
+    "top-p offsets only": body(top_p_token_ids=None),
+    "top-p offsets not from 0": body(top_p_token_offsets=b64_int32([1, 2, 3, 4])),
+    "top-p offsets do not add up": body(top_p_token_offsets=b64_int32([0, 2, 3, 3])),
+    "top-p offsets too short": body(top_p_token_offsets=b64_int32([0, 2, 4])),
+    "top-p offsets decreasing": body(top_p_token_offsets=b64_int32([0, 3, 2, 4])),
+    "top-p negative id": body(top_p_token_ids=b64_int32([10, -3, 11, 12])),
+}
+
+
+@pytest.mark.parametrize("data", BAD_BODIES.values(), ids=BAD_BODIES.keys())
+def test_rejects_bad_answers(data: bytes) -> None:
+    with pytest.raises(UpstreamProtocolError) as info:
+        decode(data)
+    assert type(info.value) is UpstreamProtocolError  # not ReplayDataDropped: the data is there but wrong
+    assert info.value.status_code == 502
+    assert info.value.to_body()["error"]["type"] == "upstream_protocol_error"
+
+
+def test_non_finite_counters_from_python_objects() -> None:
+    with pytest.raises(UpstreamProtocolError, match="cached_tokens"):
+        decode(answer(cached_tokens=float("nan")))
+
+
+def test_bad_log_prob_errors_name_the_item() -> None:
+    with pytest.raises(UpstreamProtocolError, match=r"output_token_logprobs\[1\]"):
+        decode_output_token_logprobs([[-0.5, 1, "a"], [-0.5, "x", "b"]])
+    with pytest.raises(UpstreamProtocolError, match=r"output_token_logprobs\[0\].*outside"):
+        decode_output_token_logprobs([[-0.5, 2**64, "a"]])
+    with pytest.raises(UpstreamProtocolError, match=r"output_token_logprobs\[2\].*non-finite"):
+        decode_output_token_logprobs([[-0.5, 1, "a"], [-0.5, 2, "b"], [None, 3, "c"]])
+
+
+@pytest.mark.parametrize(
+    ("dropped", "want", "missing"),
+    [
+        ({"routed_experts": None}, {"want_routing": True, "want_top_p": False}, "routed_experts"),
+        ({"top_p_token_ids": None, "top_p_token_offsets": None}, {"want_routing": False}, "top_p_token_ids"),
+    ],
+)
+def test_asked_for_replay_data_missing_is_replay_data_dropped(
+    dropped: dict[str, None], want: dict[str, bool], missing: str
+) -> None:
+    with pytest.raises(ReplayDataDropped) as info:
+        decode(body(**dropped), **want)
+    error = info.value
+    assert isinstance(error, UpstreamProtocolError) and isinstance(error, UpstreamError)
+    assert error.to_body()["error"] == {"type": "replay_data_dropped", "message": error.message, "missing": missing}
+    assert "router" in error.message  # says where to look
+
+
+def test_unasked_missing_replay_data_is_fine() -> None:
+    bare = body(routed_experts=None, top_p_token_ids=None, top_p_token_offsets=None)
+    turn = decode(bare, want_routing=False, want_top_p=False)
+    assert (turn.routed_experts, turn.top_p_ids, turn.top_p_offsets) == (None, None, None)
+
+
+# ---- decode_int32_b64 -----------------------------------------------------------------------------------------
+def test_decode_int32_b64_round_trip_and_read_only() -> None:
+    values = np.array([0, 1, -1, 2**31 - 1, -(2**31)], dtype=np.int32)
+    for encoded in (b64_int32(values), b64_int32(values).encode("ascii")):
+        decoded = decode_int32_b64(encoded, "x")
+        assert decoded.dtype == np.dtype("<i4")
+        np.testing.assert_array_equal(decoded, values)
+        assert not decoded.flags.writeable
+    assert decode_int32_b64("", "x").size == 0
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        "AAA*AAA==",  # decodes to 4 bytes if the '*' were skipped: validate=True must refuse it
+        "AAAA\nAAAA",
+        "AAAAAAAA=",
+        "A",
+        "====",
+        "AAAA AAAA",
+        "AAAA-_AA",  # URL-safe alphabet is not standard base64
+        "AAAé",
+    ],
+)
+def test_decode_int32_b64_rejects_garbage(garbage: str) -> None:
+    with pytest.raises(UpstreamProtocolError, match=r"meta_info\.routed_experts is not valid base64"):
+        decode_int32_b64(garbage, "routed_experts")
+
+
+@pytest.mark.parametrize("whole_bytes", [1, 2, 3, 5, 7])
+def test_decode_int32_b64_rejects_partial_int32(whole_bytes: int) -> None:
+    encoded = pybase64.b64encode(bytes(whole_bytes)).decode("ascii")
+    with pytest.raises(UpstreamProtocolError, match=f"{whole_bytes} bytes"):
+        decode_int32_b64(encoded, "top_p_token_ids")
+
+
+@pytest.mark.parametrize("value", [None, 3, [1, 2], {"b64": "AAAA"}])
+def test_decode_int32_b64_rejects_non_strings(value: Any) -> None:
+    with pytest.raises(UpstreamProtocolError, match="must be a base64 string"):
+        decode_int32_b64(value, "routed_experts")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=64))
+def test_decode_int32_b64_inverts_standard_base64(values: list[int]) -> None:
+    assert decode_int32_b64(b64_int32(values), "x").tolist() == values
+
+
+# ---- top-p span checks ----------------------------------------------------------------------------------------
+def test_check_top_p_spans_accepts_empty_spans() -> None:
+    check_top_p_spans(np.array([], np.int32), np.array([0, 0, 0], np.int32), 2)
+    check_top_p_spans(np.array([], np.int32), np.array([0], np.int32), 0)
+
+
+# ---- narrowest_unsigned ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("max_value", "dtype"),
+    [
+        (0, np.uint8),
+        (255, np.uint8),
+        (256, np.uint16),
+        (65_535, np.uint16),
+        (65_536, np.uint32),
+        (2**32 - 1, np.uint32),
+    ],
+)
+def test_narrowest_unsigned(max_value: int, dtype: type[np.unsignedinteger]) -> None:
+    assert narrowest_unsigned(max_value) == np.dtype(dtype)
+
+
+def test_narrowest_unsigned_refuses_beyond_32_bits() -> None:
+    with pytest.raises(UpstreamProtocolError):
+        narrowest_unsigned(2**32)
+
+
+# ---- encode_safetensors ---------------------------------------------------------------------------------------
+def safetensors_metadata(data: bytes) -> dict[str, str]:
+    (header_len,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
+
+
+def test_encode_safetensors_round_trip() -> None:
+    rng = np.random.default_rng(0)
+    arrays = {
+        "tokens": np.arange(10, dtype=np.int32),
+        "loss_mask": np.array([0, 1, 1], dtype=np.uint8),
+        "rollout_log_probs": -rng.random(3).astype(np.float32),
+        "rollout_routed_experts": rng.integers(0, 300, size=(9, 4, 2)).astype(np.uint16),
+        "strided": np.arange(20, dtype=np.int64)[::2],  # not contiguous: must be made so
+        "empty": np.zeros((0, 4, 2), dtype=np.uint8),
+    }
+    metadata = {"session_id": "s1", "status": "completed"}
+    data = encode_safetensors(arrays, metadata)
+    loaded = safetensors_load(data)
+    assert set(loaded) == set(arrays)
+    for name, array in arrays.items():
+        assert loaded[name].dtype == array.dtype and loaded[name].shape == array.shape, name
+        np.testing.assert_array_equal(loaded[name], array)
+    assert safetensors_metadata(data) == metadata
