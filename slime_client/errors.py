@@ -1,0 +1,142 @@
+"""The SDK's one exception tree.
+
+Every error the SDK raises is a ``GatewayError``. httpx errors are translated at one boundary
+(``translate_transport_error``, used by the client's request loop) with ``raise ... from exc``, and every
+gateway error answer becomes a typed ``GatewayStatusError`` in one function (``make_status_error``).
+
+    GatewayError
+    ├── GatewayConnectionError       could not reach the gateway, or the connection broke mid-request
+    ├── GatewayTimeoutError          no answer in time (client-side timeout; the turn may still be running)
+    ├── GatewayResponseError         a 2xx answer the SDK cannot read (not JSON / not safetensors / bad fields)
+    └── GatewayStatusError           the gateway answered an error status: .status, .error_type, .message, .body
+        ├── BadRequestError          400, 422  invalid input (fix the call; never retried)
+        ├── NotFoundError            404       unknown session
+        ├── ConflictError            409       session id taken, or a turn already running on the session
+        ├── UpstreamError            502       SGLang answered something invalid (or dropped replay data)
+        ├── ServiceUnavailableError  503       SGLang unreachable / overloaded (retried)
+        └── GatewayTimeout           504       SGLang did not answer in time (the gateway's verdict)
+
+Other statuses (429, 500, ...) are plain ``GatewayStatusError``. ``GatewayTimeoutError`` (this client gave up
+waiting) and ``GatewayTimeout`` (the gateway says SGLang was too slow) are different events on purpose.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+
+
+class GatewayError(Exception):
+    """Base of every error raised by ``slime_client``."""
+
+
+class GatewayConnectionError(GatewayError):
+    """The request did not reach the gateway, or the connection broke before a full answer arrived."""
+
+
+class GatewayTimeoutError(GatewayError):
+    """This client stopped waiting. For a model turn the gateway may still run and fold it."""
+
+
+class GatewayResponseError(GatewayError):
+    """The gateway answered success with a body this SDK cannot interpret (version skew, proxy in between)."""
+
+
+class GatewayStatusError(GatewayError):
+    """The gateway answered an error status with (normally) ``{"error": {"type", "message", ...}}``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int,
+        error_type: str | None = None,
+        body: Any = None,
+        response: httpx.Response | None = None,
+    ) -> None:
+        super().__init__(f"{status} {error_type or 'error'}: {message}")
+        self.status = status
+        self.error_type = error_type
+        self.message = message
+        self.body = body
+        self.response = response
+
+    @property
+    def details(self) -> dict[str, Any]:
+        """The extra fields of the error object (e.g. ``session_id``, ``upstream_status``, ``errors``)."""
+        error = self.body.get("error") if isinstance(self.body, dict) else None
+        if not isinstance(error, dict):
+            return {}
+        return {key: value for key, value in error.items() if key not in ("type", "message")}
+
+
+class BadRequestError(GatewayStatusError):
+    """400 / 422: the request is invalid."""
+
+
+class NotFoundError(GatewayStatusError):
+    """404: no such session."""
+
+
+class ConflictError(GatewayStatusError):
+    """409: ``session_exists`` (create with a taken id) or ``session_busy`` (a turn is already running)."""
+
+
+class UpstreamError(GatewayStatusError):
+    """502: SGLang answered something that breaks the protocol (the session is left unchanged)."""
+
+
+class ServiceUnavailableError(GatewayStatusError):
+    """503: SGLang could not be reached or is overloaded."""
+
+
+class GatewayTimeout(GatewayStatusError):
+    """504: the gateway gave up waiting for SGLang."""
+
+
+_STATUS_ERRORS: dict[int, type[GatewayStatusError]] = {
+    400: BadRequestError,
+    404: NotFoundError,
+    409: ConflictError,
+    422: BadRequestError,
+    502: UpstreamError,
+    503: ServiceUnavailableError,
+    504: GatewayTimeout,
+}
+
+
+def make_status_error(response: httpx.Response) -> GatewayStatusError:
+    """An error answer -> the typed exception for its status (openai-python's ``_make_status_error``)."""
+    body = _parse_error_body(response.content)
+    error_type, message = _error_type_and_message(body, response)
+    error_class = _STATUS_ERRORS.get(response.status_code, GatewayStatusError)
+    return error_class(message, status=response.status_code, error_type=error_type, body=body, response=response)
+
+
+def translate_transport_error(exc: httpx.HTTPError, method: str, url: str) -> GatewayError:
+    """An httpx failure (no HTTP answer) -> the SDK's error; callers ``raise ... from exc``."""
+    where = f"{method} {url}"
+    if isinstance(exc, httpx.TimeoutException):
+        return GatewayTimeoutError(f"{where}: no answer in time ({type(exc).__name__})")
+    if isinstance(exc, httpx.TransportError):
+        return GatewayConnectionError(f"{where}: {type(exc).__name__}: {exc or 'connection failed'}")
+    return GatewayError(f"{where}: {type(exc).__name__}: {exc}")
+
+
+def _parse_error_body(content: bytes) -> Any:
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return content.decode("utf-8", "replace")
+
+
+def _error_type_and_message(body: Any, response: httpx.Response) -> tuple[str | None, str]:
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        error_type = error.get("type")
+        return (str(error_type) if error_type is not None else None), str(error.get("message", ""))
+    # Not the gateway's own format (a proxy in between, or an old gateway): keep what there is.
+    text = body if isinstance(body, str) else orjson.dumps(body).decode()
+    return None, text[:500] or response.reason_phrase

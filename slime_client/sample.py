@@ -1,0 +1,199 @@
+"""``RolloutSample``: a session's compact sample as torch tensors, read from the gateway's safetensors bytes.
+
+The wire format (``GET /v1/sessions/{id}/sample``) is one safetensors file: tensors ``tokens`` int32,
+``loss_mask`` uint8, ``rollout_log_probs`` float32, optional ``rollout_top_p_token_ids`` / ``..._offsets``
+int32 and ``rollout_routed_experts`` [rows, L, K] in the narrowest unsigned type; string metadata (scalars as
+text, structures as JSON). ``POST /v1/samples`` packs a group into one file: tensors named ``{i}/{field}`` and
+the per-sample metadata as a JSON list under ``samples``. Tensors come from ``safetensors.torch.load`` (one
+buffer copy per tensor, no per-token Python objects); only ``to_slime`` builds the Python lists slime wants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from slime_client.errors import GatewayResponseError
+
+SAFETENSORS_HEADER_SIZE_BYTES = 8
+GROUP_METADATA_KEY = "samples"
+
+
+@dataclass(slots=True)
+class RolloutSample:
+    """One session's sample, ready to train on (slime ``Sample`` field names)."""
+
+    session_id: str
+    status: str
+    tokens: torch.Tensor  # int32 [prompt + response]
+    loss_mask: torch.Tensor  # uint8 [response_length]: 1 model tokens, 0 tool/environment tokens
+    rollout_log_probs: torch.Tensor  # float32 [response_length]: 0.0 for tool tokens
+    response: str
+    response_length: int
+    prompt_length: int
+    weight_versions: list[str] = field(default_factory=list)
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    rollout_top_p_token_ids: torch.Tensor | None = None  # int32, only with top-p replay
+    rollout_top_p_token_offsets: torch.Tensor | None = None  # int32 [response_length + 1]
+    rollout_routed_experts: torch.Tensor | None = None  # [rows, L, K] uint8/uint16/uint32 as stored
+    num_layers: int | None = None
+    moe_router_topk: int | None = None
+    spec_counters: dict[str, int] = field(default_factory=dict)
+    turns: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    # ---- reading ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_safetensors(cls, body: bytes) -> RolloutSample:
+        """One sample from the bytes of ``GET /v1/sessions/{id}/sample``."""
+        tensors = _load_tensors(body)
+        return cls.from_parts(tensors, read_safetensors_metadata(body))
+
+    @classmethod
+    def group_from_safetensors(cls, body: bytes) -> list[RolloutSample]:
+        """A group from the bytes of ``POST /v1/samples`` (request order)."""
+        metadata = read_safetensors_metadata(body)
+        try:
+            per_sample = orjson.loads(metadata[GROUP_METADATA_KEY])
+        except (KeyError, orjson.JSONDecodeError) as exc:
+            raise GatewayResponseError(f"group sample has no valid {GROUP_METADATA_KEY!r} metadata") from exc
+        grouped: list[dict[str, torch.Tensor]] = [{} for _ in per_sample]
+        for name, tensor in _load_tensors(body).items():
+            index, slash, field_name = name.partition("/")
+            if not (slash and index.isdigit() and int(index) < len(grouped)):
+                raise GatewayResponseError(f"group sample has an unexpected tensor name {name!r}")
+            grouped[int(index)][field_name] = tensor
+        return [cls.from_parts(tensors, meta) for tensors, meta in zip(grouped, per_sample, strict=True)]
+
+    @classmethod
+    def from_parts(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> RolloutSample:
+        try:
+            return cls(
+                session_id=meta["session_id"],
+                status=meta["status"],
+                tokens=tensors["tokens"],
+                loss_mask=tensors["loss_mask"],
+                rollout_log_probs=tensors["rollout_log_probs"],
+                response=meta.get("response", ""),
+                response_length=int(meta["response_length"]),
+                prompt_length=int(meta["prompt_length"]),
+                weight_versions=_json_field(meta, "weight_versions", []),
+                cached_tokens=int(meta.get("cached_tokens", 0)),
+                prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                rollout_top_p_token_ids=tensors.get("rollout_top_p_token_ids"),
+                rollout_top_p_token_offsets=tensors.get("rollout_top_p_token_offsets"),
+                rollout_routed_experts=tensors.get("rollout_routed_experts"),
+                num_layers=_optional_int(meta, "num_layers"),
+                moe_router_topk=_optional_int(meta, "moe_router_topk"),
+                spec_counters=_json_field(meta, "spec_counters", {}),
+                turns=int(meta.get("turns", 0)),
+                metadata=_json_field(meta, "metadata", {}),
+            )
+        except (KeyError, ValueError, orjson.JSONDecodeError) as exc:
+            raise GatewayResponseError(f"sample is missing or has an invalid field: {exc!r}") from exc
+
+    # ---- derived ---------------------------------------------------------------------------------------------
+    @property
+    def total_tokens(self) -> int:
+        return len(self.tokens)
+
+    def routed_experts_int32(self) -> torch.Tensor | None:
+        """Routing as slime trains on it: int32 ``[rows, num_layers, topk]`` (a copy, widened)."""
+        return None if self.rollout_routed_experts is None else self.rollout_routed_experts.to(torch.int32)
+
+    def check_invariants(self) -> None:
+        """PROTOCOL.md section 6 invariants; raises ``GatewayResponseError`` if the sample breaks them."""
+        n = self.response_length
+        problems = []
+        if len(self.tokens) != self.prompt_length + n:
+            problems.append(f"len(tokens)={len(self.tokens)} != prompt_length + response_length")
+        if not len(self.loss_mask) == len(self.rollout_log_probs) == n:
+            problems.append(f"loss_mask/log_probs lengths {len(self.loss_mask)}/{len(self.rollout_log_probs)} != {n}")
+        ids, offsets = self.rollout_top_p_token_ids, self.rollout_top_p_token_offsets
+        if ids is not None and offsets is not None and (len(offsets) != n + 1 or int(offsets[-1]) != len(ids)):
+            problems.append("top-p offsets do not cover the response / the ids")
+        routed = self.rollout_routed_experts
+        if routed is not None and (routed.dim() != 3 or len(routed) > max(0, len(self.tokens) - 1)):
+            problems.append(f"routed experts shape {tuple(routed.shape)} does not fit {len(self.tokens)} tokens")
+        if problems:
+            raise GatewayResponseError(f"sample {self.session_id!r}: " + "; ".join(problems))
+
+    # ---- slime -----------------------------------------------------------------------------------------------
+    def to_slime(self, sample: Any) -> Any:
+        """Write this sample onto a slime ``Sample`` (duck-typed) with slime's field types; returns ``sample``.
+
+        Replaces the response-side fields with the session's (the session is the whole sample). Lists where
+        slime keeps lists; int32 tensors for top-p spans and routed experts (what slime's fold produces).
+        """
+        sample.tokens = self.tokens.tolist()
+        sample.response = self.response
+        sample.response_length = self.response_length
+        sample.loss_mask = self.loss_mask.tolist()
+        sample.rollout_log_probs = self.rollout_log_probs.tolist()
+        if self.rollout_top_p_token_ids is not None and self.rollout_top_p_token_offsets is not None:
+            sample.rollout_top_p_token_ids = self.rollout_top_p_token_ids.to(torch.int32)
+            sample.rollout_top_p_token_offsets = self.rollout_top_p_token_offsets.to(torch.int32)
+        if self.rollout_routed_experts is not None:
+            sample.rollout_routed_experts = self.routed_experts_int32()
+        sample.weight_versions = list(self.weight_versions)
+        sample.status = slime_status(sample, self.status)
+        set_prefix_cache_totals(sample, cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens)
+        return sample
+
+
+def slime_status(sample: Any, value: str) -> Any:
+    """``Sample.Status(value)`` when the sample's class has slime's ``Status`` enum, else the string."""
+    status_enum = getattr(type(sample), "Status", None)
+    return value if status_enum is None else status_enum(value)
+
+
+def set_prefix_cache_totals(sample: Any, *, cached_tokens: int, prompt_tokens: int) -> None:
+    """slime's ``PrefixCacheInfo`` (cached_tokens, total_prompt_tokens), when the sample has one.
+
+    Set to the session's totals rather than added: the session's counters already sum every turn of this
+    sample, so adding them to whatever the sample held would count earlier turns twice.
+    """
+    info = getattr(sample, "prefix_cache_info", None)
+    if info is None:
+        return
+    info.cached_tokens = cached_tokens
+    info.total_prompt_tokens = prompt_tokens
+
+
+def read_safetensors_metadata(body: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (safetensors' Python API reads it only from files)."""
+    if len(body) < SAFETENSORS_HEADER_SIZE_BYTES:
+        raise GatewayResponseError(f"sample body is {len(body)} bytes, too short for safetensors")
+    header_size = int.from_bytes(body[:SAFETENSORS_HEADER_SIZE_BYTES], "little")
+    header_end = SAFETENSORS_HEADER_SIZE_BYTES + header_size
+    if header_end > len(body):
+        raise GatewayResponseError("safetensors header is longer than the sample body")
+    try:
+        header = orjson.loads(memoryview(body)[SAFETENSORS_HEADER_SIZE_BYTES:header_end])
+    except orjson.JSONDecodeError as exc:
+        raise GatewayResponseError(f"safetensors header is not JSON: {exc}") from exc
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def _load_tensors(body: bytes) -> dict[str, torch.Tensor]:
+    try:
+        return load_safetensors(body)
+    except SafetensorError as exc:
+        raise GatewayResponseError(f"sample body is not a valid safetensors file: {exc}") from exc
+
+
+def _json_field(meta: dict[str, str], key: str, default: Any) -> Any:
+    value = meta.get(key)
+    return default if value is None else orjson.loads(value)
+
+
+def _optional_int(meta: dict[str, str], key: str) -> int | None:
+    value = meta.get(key)
+    return None if value is None else int(value)
