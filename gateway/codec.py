@@ -314,6 +314,7 @@ def encode_safetensors(arrays: dict[str, np.ndarray], metadata: dict[str, str]) 
 SSE_DONE = b"[DONE]"
 _LOGPROBS_KEY = b'"output_token_logprobs":['
 _TEXT_PREFIX = b'{"text":"'
+_FINISH_KEY = b'"finish_reason":'
 
 
 def split_sse_events(buffer: bytearray) -> list[bytes]:
@@ -357,11 +358,15 @@ class CumulativeStreamDecoder:
         self._list_bytes = 0  # bytes from the list's '[' to the end of the last seen item
         self._text_bytes = 0  # escaped bytes of the text seen so far
         self._text_chars = 0
+        # Where the keys sat in the previous chunk: everything before them only grows, so searching from
+        # there costs O(new bytes) instead of a scan of the whole cumulative chunk.
+        self._logprobs_key_at = 0
+        self._finish_key_at = 0
         self._fast = True
 
     def feed(self, payload: bytes) -> tuple[StreamDelta, dict[str, Any] | None]:
         """Decode one chunk: (what it added, the parsed answer when the chunk is final or needed a full parse)."""
-        if self._fast and not _is_final_chunk(payload):
+        if self._fast and not self._is_final_chunk(payload):
             delta = self._fast_delta(payload)
             if delta is not None:
                 return delta, None
@@ -370,10 +375,18 @@ class CumulativeStreamDecoder:
         self.full_parses += 1
         return self._delta_from_answer(answer), answer
 
+    def _is_final_chunk(self, payload: bytes) -> bool:
+        at = _find_from(payload, _FINISH_KEY, self._finish_key_at)
+        if at == -1:
+            return True  # no finish_reason at all: let the full parse decide what this is
+        self._finish_key_at = at
+        return payload[at + len(_FINISH_KEY) : at + len(_FINISH_KEY) + 4] != b"null"
+
     def _fast_delta(self, payload: bytes) -> StreamDelta | None:
-        key = payload.find(_LOGPROBS_KEY)
+        key = _find_from(payload, _LOGPROBS_KEY, self._logprobs_key_at)
         if key == -1:
             return None
+        self._logprobs_key_at = key
         open_pos = key + len(_LOGPROBS_KEY) - 1
         start = open_pos + (self._list_bytes if self.num_tokens else 1)
         if payload[start : start + 1] == b"]":
@@ -432,8 +445,10 @@ class CumulativeStreamDecoder:
         return StreamDelta(ids, log_probs, delta_text)
 
 
-def _is_final_chunk(payload: bytes) -> bool:
-    return b'"finish_reason":null' not in payload
+def _find_from(payload: bytes, needle: bytes, hint: int) -> int:
+    """``find`` starting at where the needle was last time, falling back to a full search."""
+    at = payload.find(needle, hint)
+    return payload.find(needle) if at == -1 and hint else at
 
 
 def _escaped(payload: bytes, quote: int) -> bool:

@@ -24,6 +24,11 @@ class Settings(BaseSettings):
     session_idle_ttl_s: float = Field(
         3600.0, ge=0, description="drop sessions untouched for this long (abandoned rollouts); 0 keeps them forever"
     )
+    incremental_routing: bool = Field(
+        True,
+        description="ask SGLang only for the routing rows the session lacks (routed_experts_start_len); turn off "
+        "for an upstream that mishandles it, at the cost of re-sending the whole routing history every turn",
+    )
     keep_alive_s: float = Field(75.0, gt=0, description="idle client connections are kept open this long")
 
     @field_validator("upstream_url")

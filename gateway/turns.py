@@ -54,7 +54,7 @@ class TurnPlan:
     prompt_length: int
 
 
-def plan_turn(session: Session, request: TurnCreate) -> TurnPlan:
+def plan_turn(session: Session, request: TurnCreate, *, incremental_routing: bool = True) -> TurnPlan:
     sample = session.sample
     want_routing = sample.moe is not None if request.return_routed_experts is None else request.return_routed_experts
     if want_routing and sample.moe is None:
@@ -73,7 +73,7 @@ def plan_turn(session: Session, request: TurnCreate) -> TurnPlan:
         rid=f"{session.session_id}-{len(sample.turns)}-{uuid.uuid4().hex[:8]}",
         want_routing=want_routing,
         want_top_p=want_top_p,
-        routing_start_len=sample.routing_rows if want_routing else 0,
+        routing_start_len=sample.routing_rows if want_routing and incremental_routing else 0,
         sampling_params=sampling_params,
         prompt_length=len(sample.tokens),
     )
@@ -165,7 +165,7 @@ class TurnHandle:
 
 async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -> dict[str, Any]:
     """A unary turn; runs with the session held exclusively (see ``SessionStore.exclusive``)."""
-    plan = plan_turn(session, request)
+    plan = plan_turn(session, request, incremental_routing=state.settings.incremental_routing)
     handle = TurnHandle(state, plan)
     session.running = handle
     try:
@@ -182,7 +182,7 @@ async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -
 
 async def open_stream_turn(state: GatewayState, session: Session, request: TurnCreate) -> StreamTurn:
     """Plan and open the upstream stream; errors before the first byte are plain HTTP errors for the caller."""
-    plan = plan_turn(session, request)
+    plan = plan_turn(session, request, incremental_routing=state.settings.incremental_routing)
     response = await state.upstream.open_generate_stream(
         upstream_payload(session, plan, stream=True), routing_key=session.session_id
     )
