@@ -38,6 +38,7 @@ from slime_client.errors import (
     UpstreamError,
 )
 from slime_client.sample import RolloutSample
+from slime_client.streaming import TurnDelta, TurnStream
 from slime_client.types import ArraySpec, MoEShape, SessionState, SessionSummary, TurnResult
 
 __all__ = [
@@ -60,6 +61,8 @@ __all__ = [
     "Session",
     "SessionState",
     "SessionSummary",
+    "TurnDelta",
     "TurnResult",
+    "TurnStream",
     "UpstreamError",
 ]

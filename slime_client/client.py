@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 from urllib.parse import quote
 
 import httpx
@@ -15,6 +15,7 @@ import orjson
 from slime_client import _retry
 from slime_client.errors import GatewayResponseError, make_status_error, translate_transport_error
 from slime_client.sample import RolloutSample
+from slime_client.streaming import TurnStream
 from slime_client.types import SessionState, SessionSummary, TurnResult
 
 log = logging.getLogger("slime_client")
@@ -212,25 +213,53 @@ class Session:
     def __repr__(self) -> str:
         return f"Session({self.session_id!r})"
 
-    async def generate(
+    @overload
+    def generate(
+        self,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        return_routed_experts: bool | None = None,
+        stream: Literal[False] = False,
+    ) -> Coroutine[Any, Any, TurnResult]: ...
+
+    @overload
+    def generate(
+        self,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        return_routed_experts: bool | None = None,
+        stream: Literal[True],
+    ) -> TurnStream: ...
+
+    def generate(
         self,
         sampling_params: Mapping[str, Any] | None = None,
         *,
         return_routed_experts: bool | None = None,
         stream: bool = False,
-    ) -> TurnResult:
-        """Run one model turn on the session's tokens and fold it in; returns the turn summary.
+    ) -> Coroutine[Any, Any, TurnResult] | TurnStream:
+        """Run one model turn on the session's tokens and fold it in.
 
+        ``await session.generate(...)`` returns the turn summary. ``stream=True`` returns a ``TurnStream``
+        instead (``async for`` over ``TurnDelta`` events, then the ``TurnResult``; see ``slime_client.streaming``).
         ``return_routed_experts`` None: whatever the session was created for (routing replay iff it has a
-        MoE shape). ``stream`` is reserved for streamed turns, which this SDK version does not implement.
+        MoE shape).
         """
-        if stream:
-            raise NotImplementedError("streamed turns are not implemented in this SDK version; use stream=False")
         body: dict[str, Any] = {"sampling_params": dict(sampling_params or {})}
         if return_routed_experts is not None:
             body["return_routed_experts"] = return_routed_experts
+        if stream:
+            return TurnStream(self.client, f"{self._path}/generate", body | {"stream": True})
+        return self._generate(body)
+
+    async def _generate(self, body: dict[str, Any]) -> TurnResult:
         answer = await self.client._json("POST", f"{self._path}/generate", body=body, idempotent=False)
         return TurnResult.from_json(answer)
+
+    async def abort(self) -> SessionSummary:
+        """Abort the running turn (answers once it ended, its tokens folded in, status aborted)."""
+        answer = await self.client._json("POST", f"{self._path}/abort", idempotent=False)
+        return SessionSummary.from_json(answer)
 
     async def append(self, token_ids: Sequence[int], text: str | None = None) -> SessionSummary:
         """Append tool/environment tokens (not trainable: loss mask 0, log-prob 0.0)."""

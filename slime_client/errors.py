@@ -55,6 +55,7 @@ class GatewayStatusError(GatewayError):
         error_type: str | None = None,
         body: Any = None,
         response: httpx.Response | None = None,
+        partial_turn: Any = None,
     ) -> None:
         super().__init__(f"{status} {error_type or 'error'}: {message}")
         self.status = status
@@ -62,6 +63,8 @@ class GatewayStatusError(GatewayError):
         self.message = message
         self.body = body
         self.response = response
+        # A streamed turn that failed mid-way: the ``TurnResult`` of what was folded in (status aborted).
+        self.partial_turn = partial_turn
 
     @property
     def details(self) -> dict[str, Any]:
@@ -113,6 +116,20 @@ def make_status_error(response: httpx.Response) -> GatewayStatusError:
     error_type, message = _error_type_and_message(body, response)
     error_class = _STATUS_ERRORS.get(response.status_code, GatewayStatusError)
     return error_class(message, status=response.status_code, error_type=error_type, body=body, response=response)
+
+
+# The status a gateway error type maps to, for errors that arrive inside a stream (whose HTTP status was 200).
+_STREAM_ERROR_STATUS = {"upstream_rejected": 400, "upstream_unavailable": 503, "upstream_timeout": 504}
+
+
+def make_stream_error(error: Any, partial_turn: Any = None) -> GatewayStatusError:
+    """An ``error`` event of a streamed turn -> the same typed exception a unary turn would have raised."""
+    error = error if isinstance(error, dict) else {"message": str(error)}
+    error_type = error.get("type")
+    status = _STREAM_ERROR_STATUS.get(str(error_type), 502)
+    error_class = _STATUS_ERRORS.get(status, GatewayStatusError)
+    message = str(error.get("message", ""))
+    return error_class(message, status=status, error_type=error_type, body={"error": error}, partial_turn=partial_turn)
 
 
 def translate_transport_error(exc: httpx.HTTPError, method: str, url: str) -> GatewayError:

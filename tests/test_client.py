@@ -190,12 +190,6 @@ async def test_health_and_list(gw: GatewayClient) -> None:
     assert session.session_id in {s.session_id for s in await gw.list_sessions()}
 
 
-async def test_stream_is_reserved(gw: GatewayClient) -> None:
-    session = await gw.create_session(prompt_ids=PROMPT)
-    with pytest.raises(NotImplementedError):
-        await session.generate({"max_new_tokens": 2}, stream=True)
-
-
 # ---- error mapping end to end ---------------------------------------------------------------------------------
 async def test_unknown_session_is_not_found(gw: GatewayClient) -> None:
     with pytest.raises(NotFoundError) as caught:
