@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from typing import Any
 
-from slime_client import GatewayClient, GatewayError, RolloutSample, TurnResult
+from slime_client import GatewayClient, GatewayError, RolloutSample, Session, TurnDelta, TurnResult
 
 PROMPT_IDS = [1, 15, 27, 39, 42, 58, 63, 77, 81, 99]
 # A pretend tool: it "answers" with a fixed header and echoes a few ids of the model's call.
@@ -28,7 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--num-layers", type=int, default=4, help="the model's num_hidden_layers (routing replay)")
     parser.add_argument("--topk", type=int, default=2, help="the model's num_experts_per_tok (routing replay)")
-    parser.add_argument("--no-replay", action="store_true", help="no routing replay (dense model)")
+    parser.add_argument("--no-replay", action="store_true", help="no routing / top-p replay (dense model)")
+    parser.add_argument("--session-id", help="choose the session id (default: the gateway picks one)")
+    parser.add_argument("--keep-session", action="store_true", help="leave the session on the gateway (for curl)")
     return parser.parse_args(argv)
 
 
@@ -69,13 +72,19 @@ async def run(args: argparse.Namespace) -> None:
         health = await gw.health()
         print(f"[agent] gateway {args.gateway_url} is up (version {health.get('version')})")
         moe = {} if args.no_replay else {"num_layers": args.num_layers, "moe_router_topk": args.topk}
-        session = await gw.create_session(prompt_ids=PROMPT_IDS, metadata={"example": "agent_loop"}, **moe)
+        session = await gw.create_session(
+            prompt_ids=PROMPT_IDS, session_id=args.session_id, metadata={"example": "agent_loop"}, **moe
+        )
         print(f"[agent] session {session.session_id}: prompt of {len(PROMPT_IDS)} tokens, replay {moe or 'off'}")
+        sampling: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0}
+        if not args.no_replay:
+            sampling["custom_params"] = {"return_top_p_token_ids": True}  # top-p replay, the slime way
         try:
             for index in range(args.turns):
-                turn = await session.generate({"max_new_tokens": args.max_new_tokens, "temperature": 1.0})
+                last = index == args.turns - 1
+                turn = await (streamed_turn(session, sampling) if last else session.generate(sampling))
                 print(describe_turn(index, turn))
-                if index < args.turns - 1:
+                if not last:
                     tool_ids = fake_tool_output(turn)
                     summary = await session.append(tool_ids, text=" <tool result>")
                     print(f"[agent] tool: +{len(tool_ids)} tokens (not trainable), session {summary.total_tokens}")
@@ -83,8 +92,21 @@ async def run(args: argparse.Namespace) -> None:
             sample.check_invariants()
             print("\n".join(describe_sample(sample)))
         finally:
-            await session.delete()
-        print("[agent] done (session deleted)")
+            if not args.keep_session:
+                await session.delete()
+        print("[agent] done" + (" (session kept)" if args.keep_session else " (session deleted)"))
+
+
+async def streamed_turn(session: Session, sampling: dict[str, Any]) -> TurnResult:
+    """The last turn streamed: deltas print as they arrive, the folded turn comes at the end."""
+    print("[agent] streaming: ", end="", flush=True)
+    async with session.generate(sampling, stream=True) as stream:
+        async for event in stream:
+            if isinstance(event, TurnDelta):
+                print(event.text, end="", flush=True)
+    print()
+    assert stream.result is not None
+    return stream.result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,7 @@ curl -fsS "$GW/health"; echo
 
 SESSION=demo-$(date +%s)
 echo "==> running examples/agent_loop.py (session $SESSION)"
-"$PY" examples/agent_loop.py --gateway-url "$GW" --session-id "$SESSION"
+"$PY" examples/agent_loop.py --gateway-url "$GW" --session-id "$SESSION" --keep-session
 
 echo "==> the curl view: curl -s $GW/v1/sessions/$SESSION"
 curl -fsS "$GW/v1/sessions/$SESSION" | "$PY" -m json.tool
