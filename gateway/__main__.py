@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
         timeout_keep_alive=int(settings.keep_alive_s),
     )
 

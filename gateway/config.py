@@ -29,6 +29,12 @@ class Settings(BaseSettings):
         description="ask SGLang only for the routing rows the session lacks (routed_experts_start_len); turn off "
         "for an upstream that mishandles it, at the cost of re-sending the whole routing history every turn",
     )
+    shutdown_grace_s: int = Field(
+        5,
+        ge=1,
+        description="on SIGTERM, in-flight requests get this long to finish; then running turns are aborted "
+        "(tokens so far folded in). Keep it under the orchestrator's kill timeout (docker stop: 10 s)",
+    )
     keep_alive_s: float = Field(75.0, gt=0, description="idle client connections are kept open this long")
 
     @field_validator("upstream_url")

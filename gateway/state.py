@@ -49,7 +49,7 @@ class GatewayState:
         await self.upstream.aclose()
         self.cpu_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def abort_running_turns(self, reason: str, timeout_s: float = 5.0) -> None:
+    async def abort_running_turns(self, reason: str, timeout_s: float = 4.0) -> None:
         """Shutdown: every turn still in flight ends aborted-but-coherent, never half-written."""
         running = self.store.running_turns()
         for turn in running:
