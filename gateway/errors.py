@@ -9,6 +9,7 @@ base64, numpy) are translated into it at one boundary each, with ``raise ... fro
     ├── SessionConflict                 409 session_conflict
     │   ├── SessionExists               409 session_exists       create with an id already taken
     │   └── SessionBusy                 409 session_busy         a turn is already running on it
+    ├── TooManySessions                 429 too_many_sessions    the store is at max_sessions
     └── UpstreamError                   502 upstream_error       anything wrong on the SGLang side
         ├── UpstreamProtocolError       502 upstream_protocol_error   answer that breaks PROTOCOL.md
         │   └── ReplayDataDropped       502 replay_data_dropped  asked for routing / top-p, got none
@@ -61,6 +62,11 @@ class SessionExists(SessionConflict):
 
 class SessionBusy(SessionConflict):
     error_type = "session_busy"
+
+
+class TooManySessions(GatewayError):
+    status_code = 429
+    error_type = "too_many_sessions"
 
 
 class UpstreamError(GatewayError):

@@ -9,13 +9,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.errors import GatewayError, SessionBusy, SessionExists, SessionNotFound
+from gateway.errors import SessionBusy, SessionExists, SessionNotFound, TooManySessions
 from gateway.sample import SessionSample
-
-
-class TooManySessions(GatewayError):
-    status_code = 429
-    error_type = "too_many_sessions"
 
 
 class RunningTurn(Protocol):
