@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
 SessionId = Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@-]+$")]
@@ -50,3 +53,27 @@ class ToolAppend(_Body):
 
 class SampleBatchRequest(_Body):
     session_ids: Annotated[list[SessionId], Field(min_length=1, max_length=4096)]
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def json_body(model: type[Body]) -> Callable[[Request], Awaitable[Body]]:
+    """A dependency that reads the body as JSON whatever its Content-Type (``curl -d`` sends a form type, and
+    SGLang accepts that too), validated by pydantic's JSON parser straight from the bytes. An empty body is
+    ``{}``."""
+
+    async def parse(request: Request) -> Body:
+        raw = await request.body()
+        try:
+            return model.model_validate_json(raw or b"{}")
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors(include_url=False)) from exc
+
+    return parse
+
+
+SessionCreateBody = Annotated[SessionCreate, Depends(json_body(SessionCreate))]
+TurnCreateBody = Annotated[TurnCreate, Depends(json_body(TurnCreate))]
+ToolAppendBody = Annotated[ToolAppend, Depends(json_body(ToolAppend))]
+SampleBatchBody = Annotated[SampleBatchRequest, Depends(json_body(SampleBatchRequest))]

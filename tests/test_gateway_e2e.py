@@ -449,3 +449,17 @@ async def test_metrics_count_requests_errors_and_sessions(gw: httpx.AsyncClient,
     assert grew("gateway_decoded_bytes_total", kind="answer") > 0
     assert metric_value(after, "gateway_sessions_stored") >= 1
     assert metric_value(after, "gateway_stored_bytes") > 0
+
+
+async def test_json_bodies_need_no_json_content_type(gw: httpx.AsyncClient) -> None:
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded; the body is still JSON, as SGLang accepts."""
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    created = await gw.post("/v1/sessions", content=b'{"prompt_ids": [1, 2, 3]}', headers=form)
+    assert created.status_code == 201, created.text
+    sid = created.json()["session_id"]
+    turn = await gw.post(
+        f"/v1/sessions/{sid}/generate", content=b'{"sampling_params": {"max_new_tokens": 3}}', headers=form
+    )
+    assert turn.status_code == 200, turn.text
+    empty = await gw.post(f"/v1/sessions/{sid}/generate", headers=form)  # no body: every default
+    assert empty.status_code == 200, empty.text

@@ -8,7 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from gateway.responses import json_response, safetensors_response
 from gateway.sample import MoEShape, SessionSample
-from gateway.schemas import SampleBatchRequest, SessionCreate, ToolAppend, TurnCreate
+from gateway.schemas import SampleBatchBody, SessionCreateBody, ToolAppendBody, TurnCreate, TurnCreateBody
 from gateway.state import StateDep
 from gateway.turns import ABORT_GRACE_S, open_stream_turn, run_turn
 from gateway.views import group_payload, sample_payload, session_summary, session_view
@@ -18,7 +18,7 @@ ABORT_WAIT_S = ABORT_GRACE_S + 2.0
 
 
 @router.post("/sessions", status_code=201)
-async def create_session(body: SessionCreate, state: StateDep) -> Response:
+async def create_session(body: SessionCreateBody, state: StateDep) -> Response:
     moe = None if body.num_layers is None else MoEShape(body.num_layers, body.moe_router_topk)  # type: ignore[arg-type]
     session = state.store.create(
         SessionSample.from_prompt(body.prompt_ids, moe),
@@ -47,7 +47,7 @@ async def delete_session(session_id: str, state: StateDep) -> Response:
 
 
 @router.post("/sessions/{session_id}/generate")
-async def generate(session_id: str, body: TurnCreate, state: StateDep) -> Response:
+async def generate(session_id: str, body: TurnCreateBody, state: StateDep) -> Response:
     if body.stream:
         return await _stream_turn(session_id, body, state)
     async with state.store.exclusive(session_id) as session:
@@ -80,7 +80,7 @@ async def abort(session_id: str, state: StateDep) -> Response:
 
 
 @router.post("/sessions/{session_id}/append")
-async def append(session_id: str, body: ToolAppend, state: StateDep) -> Response:
+async def append(session_id: str, body: ToolAppendBody, state: StateDep) -> Response:
     async with state.store.exclusive(session_id) as session:
         session.sample.append_tool_tokens(np.asarray(body.token_ids, dtype=np.int32), body.text)
         return json_response(session_summary(session))
@@ -93,6 +93,6 @@ async def get_sample(session_id: str, state: StateDep) -> Response:
 
 
 @router.post("/samples")
-async def get_samples(body: SampleBatchRequest, state: StateDep) -> Response:
+async def get_samples(body: SampleBatchBody, state: StateDep) -> Response:
     payload = group_payload([state.store.get(sid) for sid in body.session_ids])
     return safetensors_response(await state.run_cpu(payload.nbytes, payload.encode))

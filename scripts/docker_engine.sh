@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# A Docker engine for the sidecar image on a machine that has no running daemon and no Docker Hub access
+# (see /work/shared/docker-here.md). Idempotent: every step is skipped when its result is already there.
+#
+#   scripts/docker_engine.sh [up]     install docker.io/docker-compose/debootstrap if missing, start dockerd if
+#                                     `docker info` does not answer, build + import the base image if missing
+#   scripts/docker_engine.sh status   say what is there
+#   scripts/docker_engine.sh stop     stop the dockerd this script started (by its PID file)
+#
+# Environment:
+#   LOCAL_BASE_IMAGE   tag of the Debian-based Python image built with debootstrap (local/debian-python:bookworm)
+#   DEBIAN_SUITE       suite for debootstrap (default: the host's VERSION_CODENAME, e.g. bookworm)
+#   DEBIAN_MIRROR      mirror for debootstrap (default: the one apt already uses, read from /etc/apt/sources.list*)
+#   DOCKER_STATE_DIR   where dockerd's log and PID file go (/tmp/slime-gateway-docker)
+#   DOCKERD_ARGS       extra dockerd flags
+set -euo pipefail
+
+LOCAL_BASE_IMAGE=${LOCAL_BASE_IMAGE:-local/debian-python:bookworm}
+DOCKER_STATE_DIR=${DOCKER_STATE_DIR:-/tmp/slime-gateway-docker}
+DOCKERD_LOG=$DOCKER_STATE_DIR/dockerd.log
+DOCKERD_PID=$DOCKER_STATE_DIR/dockerd.pid
+DOCKERD_READY_TIMEOUT_S=${DOCKERD_READY_TIMEOUT_S:-60}
+
+step() { echo "==> docker_engine: $*"; }
+info() { echo "    $*"; }
+die() { echo "!! docker_engine: $*" >&2; exit 1; }
+
+SUDO=()
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || die "not root and no sudo: run as root to install packages and start dockerd"
+  SUDO=(sudo)
+fi
+
+host_codename() {
+  # shellcheck disable=SC1091
+  (. /etc/os-release && echo "${VERSION_CODENAME:-}")
+}
+
+# The Debian mirror apt already uses: the first URI serving "<suite>" (not -security/-updates) in the deb822
+# files under /etc/apt/sources.list.d/*.sources or the one-line entries of /etc/apt/sources.list{,.d/*.list}.
+debian_mirror() {
+  local suite=$1 files=()
+  shopt -s nullglob
+  files=(/etc/apt/sources.list.d/*.sources)
+  shopt -u nullglob
+  if [ ${#files[@]} -gt 0 ]; then
+    awk -v suite="$suite" '
+      function flush() { if (types ~ /(^| )deb( |$)/ && (" " suites " ") ~ (" " suite " ") && uris != "") {
+                           split(uris, u, " "); print u[1]; found = 1; exit } types = suites = uris = "" }
+      /^[ \t]*$/        { flush(); next }
+      /^[ \t]*#/        { next }
+      /^Types:/         { sub(/^Types:[ \t]*/, "");  types = $0 }
+      /^Suites:/        { sub(/^Suites:[ \t]*/, ""); suites = $0 }
+      /^URIs:/          { sub(/^URIs:[ \t]*/, "");   uris = $0 }
+      END               { if (!found) flush() }
+    ' "${files[@]}" | head -n1 && return 0
+  fi
+  shopt -s nullglob
+  files=(/etc/apt/sources.list /etc/apt/sources.list.d/*.list)
+  shopt -u nullglob
+  [ ${#files[@]} -gt 0 ] || return 0
+  # "deb [options] URI SUITE COMPONENTS..."
+  awk -v suite="$suite" '$1 == "deb" { i = 2; if ($2 ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
+                                       if ($(i + 1) == suite) { print $i; exit } }' "${files[@]}" 2>/dev/null | head -n1
+}
+
+engine_answers() { docker info >/dev/null 2>&1; }
+
+install_packages() {
+  local missing=()
+  command -v dockerd >/dev/null || missing+=(docker.io)
+  command -v docker-compose >/dev/null || missing+=(docker-compose)
+  command -v debootstrap >/dev/null || missing+=(debootstrap)
+  if [ ${#missing[@]} -eq 0 ]; then
+    step "packages: docker.io, docker-compose, debootstrap already installed"
+    return
+  fi
+  step "installing ${missing[*]} with apt-get (apt-get update first)"
+  "${SUDO[@]}" apt-get update -qq
+  "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  info "installed: $(dockerd --version 2>/dev/null || echo '?')"
+}
+
+start_engine() {
+  if engine_answers; then
+    step "engine: dockerd already answers ($(docker version -f '{{.Server.Version}}' 2>/dev/null || echo '?'))"
+    return
+  fi
+  mkdir -p "$DOCKER_STATE_DIR"
+  # No bridge and no iptables here (no bridge networking on this machine); vfs works on any filesystem.
+  local args=(--storage-driver=vfs --iptables=false --bridge=none)
+  # shellcheck disable=SC2206
+  args+=(${DOCKERD_ARGS:-})
+  step "engine: starting dockerd ${args[*]} (log: $DOCKERD_LOG)"
+  # setsid: the daemon outlives this script (and make); its PID is kept for `stop`.
+  "${SUDO[@]}" setsid dockerd "${args[@]}" >"$DOCKERD_LOG" 2>&1 </dev/null &
+  echo $! >"$DOCKERD_PID"
+  local waited=0
+  until engine_answers; do
+    if ! kill -0 "$(cat "$DOCKERD_PID")" 2>/dev/null; then
+      tail -n 30 "$DOCKERD_LOG" >&2 || true
+      die "dockerd exited during startup (log above)"
+    fi
+    [ "$waited" -lt "$DOCKERD_READY_TIMEOUT_S" ] || die "dockerd not ready after ${DOCKERD_READY_TIMEOUT_S} s (see $DOCKERD_LOG)"
+    sleep 1
+    waited=$((waited + 1))
+  done
+  info "dockerd ready after ~${waited} s (pid $(cat "$DOCKERD_PID"))"
+}
+
+build_base_image() {
+  if docker image inspect "$LOCAL_BASE_IMAGE" >/dev/null 2>&1; then
+    step "base image: $LOCAL_BASE_IMAGE already there ($(docker image inspect -f '{{.Size}}' "$LOCAL_BASE_IMAGE") bytes)"
+    return
+  fi
+  local suite=${DEBIAN_SUITE:-$(host_codename)}
+  [ -n "$suite" ] || die "cannot tell the Debian suite: set DEBIAN_SUITE (e.g. bookworm)"
+  local mirror=${DEBIAN_MIRROR:-$(debian_mirror "$suite")}
+  [ -n "$mirror" ] || die "no Debian mirror for '$suite' in /etc/apt/sources.list*: set DEBIAN_MIRROR"
+  local rootfs
+  rootfs=$(mktemp -d "${TMPDIR:-/tmp}/debian-python-rootfs.XXXXXX")
+  # shellcheck disable=SC2064
+  trap "${SUDO[*]} rm -rf '$rootfs'" EXIT
+  step "base image: debootstrap $suite from $mirror into $rootfs (about a minute)"
+  local started=$SECONDS
+  "${SUDO[@]}" debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+    "$suite" "$rootfs" "$mirror" >"$DOCKER_STATE_DIR/debootstrap.log" 2>&1 \
+    || { tail -n 30 "$DOCKER_STATE_DIR/debootstrap.log" >&2; die "debootstrap failed (log above)"; }
+  # mktemp made the directory 0700: it becomes the image's "/", which every user must be able to traverse.
+  "${SUDO[@]}" chmod 0755 "$rootfs"
+  # Downloaded .debs and package lists are not needed at run time.
+  "${SUDO[@]}" rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+  step "base image: importing as $LOCAL_BASE_IMAGE"
+  # An imported root file system has no image config: give it the PATH and CMD a python image has.
+  "${SUDO[@]}" tar -C "$rootfs" -c . | docker import \
+    --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+    --change 'ENV LANG=C.UTF-8' \
+    --change 'CMD ["python3"]' \
+    - "$LOCAL_BASE_IMAGE" >/dev/null
+  info "built in $((SECONDS - started)) s: $(docker image inspect -f '{{.Size}}' "$LOCAL_BASE_IMAGE") bytes," \
+       "$(docker run --rm --network host "$LOCAL_BASE_IMAGE" python3 --version)"
+}
+
+status() {
+  if engine_answers; then
+    echo "engine: up ($(docker version -f '{{.Server.Version}}' 2>/dev/null))"
+  else
+    echo "engine: down"
+  fi
+  if [ -f "$DOCKERD_PID" ]; then echo "dockerd started by this script: pid $(cat "$DOCKERD_PID")"; fi
+  if engine_answers && docker image inspect "$LOCAL_BASE_IMAGE" >/dev/null 2>&1; then
+    echo "base image: $LOCAL_BASE_IMAGE"
+  else
+    echo "base image: $LOCAL_BASE_IMAGE missing (or engine down)"
+  fi
+}
+
+stop_engine() {
+  if [ ! -f "$DOCKERD_PID" ]; then
+    step "stop: no PID file ($DOCKERD_PID): this script did not start a dockerd; nothing to do"
+    return
+  fi
+  local pid
+  pid=$(cat "$DOCKERD_PID")
+  if kill -0 "$pid" 2>/dev/null; then
+    step "stop: stopping dockerd (pid $pid)"
+    "${SUDO[@]}" kill -TERM "$pid"
+    for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    if kill -0 "$pid" 2>/dev/null; then die "dockerd (pid $pid) still running after 30 s"; fi
+  else
+    step "stop: dockerd (pid $pid) is not running"
+  fi
+  rm -f "$DOCKERD_PID"
+}
+
+case "${1:-up}" in
+  up)
+    install_packages
+    start_engine
+    build_base_image
+    ;;
+  status) status ;;
+  stop) stop_engine ;;
+  *) die "usage: $0 [up|status|stop]" ;;
+esac
