@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # CUDA build. Only the client SDK and its tests use torch; the gateway itself needs none.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test lint format demo bench clean
+.PHONY: install test lint format demo bench clean routers test-sglang
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,8 +18,32 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: install
+test: install routers
 	$(PY) -m pytest
+
+# The router tier of `make test`: the real SGLang routers from the package registry, each in its own venv (no
+# torch). An install failure only warns: tests/test_router.py then skips, naming .routers/<name>/install.log.
+ROUTERS_DIR ?= .routers
+ROUTER_SPEC_smg ?= smg==1.13.0
+ROUTER_SPEC_sglang-router ?= sglang-router==0.3.2
+ROUTER_STAMPS := $(ROUTERS_DIR)/smg/.installed-stamp $(ROUTERS_DIR)/sglang-router/.installed-stamp
+
+$(ROUTERS_DIR)/%/.installed-stamp: Makefile
+	@mkdir -p $(ROUTERS_DIR)/$*
+	@if { test -x $(ROUTERS_DIR)/$*/bin/python || $(PYTHON) -m venv $(ROUTERS_DIR)/$*; } >$(ROUTERS_DIR)/$*/install.log 2>&1 \
+		&& $(ROUTERS_DIR)/$*/bin/python -m pip install --quiet --retries 2 --timeout 30 "$(ROUTER_SPEC_$*)" >>$(ROUTERS_DIR)/$*/install.log 2>&1; \
+	then rm -f $(ROUTERS_DIR)/$*/install.log && touch $@; \
+	else echo "warning: could not install $(ROUTER_SPEC_$*); router tests will skip (see $(ROUTERS_DIR)/$*/install.log)" >&2; fi
+
+routers: $(ROUTER_STAMPS)
+
+# Opt-in: a real SGLang engine (CPU, tiny MoE) from /work/shared/real-sglang; ~3 min and ~3 GB on first run.
+SGLANG_SHARED ?= ../shared/real-sglang
+SGLANG_DIR ?= .sglang-cpu
+
+test-sglang: install
+	bash $(SGLANG_SHARED)/setup.sh $(SGLANG_DIR)
+	SGLANG_SHARED=$(abspath $(SGLANG_SHARED)) SGLANG_DIR=$(abspath $(SGLANG_DIR)) $(PY) -m pytest -m sglang tests/test_real_sglang.py
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -37,3 +61,35 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+
+# ---- the sidecar image (docker/) ----------------------------------------------------------------------------------
+# `make image`: wheels built here into docker/.wheels (so the image build needs no network), then the image.
+# `make test-docker`: the opt-in Docker tier (not part of `make test`): a Docker engine (scripts/docker_engine.sh
+# installs and starts one on machines without a daemon or Docker Hub), the image, then tests/test_docker.py.
+IMAGE ?= slime-gateway:latest
+LOCAL_BASE_IMAGE ?= local/debian-python:bookworm
+# python:3.11-slim (pulled if need be); on a machine without Docker Hub, the debootstrap-built local base when it
+# exists (scripts/docker_engine.sh). The image's Python minor must match the one that builds the wheels (3.11).
+BASE_IMAGE ?= $(shell docker image inspect python:3.11-slim >/dev/null 2>&1 && echo python:3.11-slim \
+  || { docker image inspect $(LOCAL_BASE_IMAGE) >/dev/null 2>&1 && echo $(LOCAL_BASE_IMAGE); } || echo python:3.11-slim)
+DOCKER_BUILD_FLAGS ?=
+
+.PHONY: image test-docker
+
+image: install
+	@echo "==> image: building wheels into docker/.wheels with $$($(PY) -V)"
+	@mkdir -p docker/.wheels && rm -f docker/.wheels/slime_gateway-*.whl
+	$(PY) -m pip wheel --quiet --wheel-dir docker/.wheels .
+	@echo "==> image: docker build $(IMAGE) from base $(BASE_IMAGE)"
+	DOCKER_BUILDKIT=0 docker build --network host --build-arg BASE_IMAGE=$(BASE_IMAGE) $(DOCKER_BUILD_FLAGS) \
+	  -f docker/Dockerfile -t $(IMAGE) docker
+	@echo "==> image: removing this project's untagged images (the build stage, earlier builds of $(IMAGE))"
+	@docker image prune --force --filter label=slime-gateway.stage=build >/dev/null
+	@docker image prune --force --filter label=org.opencontainers.image.title=slime-gateway >/dev/null
+	@echo "==> image: $(IMAGE) is $$(docker image inspect -f '{{.Size}}' $(IMAGE)) bytes"
+
+test-docker: install
+	bash scripts/docker_engine.sh up
+	$(MAKE) --no-print-directory image
+	@echo "==> test-docker: pytest -m docker tests/test_docker.py (image $(IMAGE))"
+	GATEWAY_IMAGE=$(IMAGE) $(PY) -m pytest -v -s -m docker tests/test_docker.py
