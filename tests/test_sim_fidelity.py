@@ -4,7 +4,7 @@ The recordings in tests/fixtures/sglang/*.json come from `scripts/record_fixture
 random Qwen3-MoE: 2 layers, 8 experts, top-2, 512-token vocabulary). Each test sends the recorded request to an
 in-process simulator of the same MoE shape and checks both answers the same way: key sets, value types,
 encodings (base64 int32 routing with the right element count), log-prob items, finish reasons and SSE framing.
-Values (tokens, log-probs) differ by design. Known deviations are strict xfails naming the difference.
+Values (tokens, log-probs) differ by design. Known deviations would be strict xfails naming the difference (none left).
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ FINISH_KEYS = {
 BASE64 = re.compile(r"^[A-Za-z0-9+/]*={0,2}$")
 DONE = "data: [DONE]"
 ABORT_AFTER_S = 0.15
-# Real keys the simulator does not produce yet; the xfails below list them so the simulator's owner can add them.
-MISSING_TIMESTAMP = "simulator lacks meta_info.response_sent_to_client_ts (float, a wall-clock timestamp)"
+
 
 
 @cache
@@ -196,7 +195,6 @@ async def test_simulator_adds_no_unknown_meta_keys(sim: Simulators, name: str) -
     assert not extra, f"meta_info keys the real engine does not send: {sorted(extra)}"
 
 
-@pytest.mark.xfail(strict=True, reason=MISSING_TIMESTAMP)
 @pytest.mark.parametrize("name", NON_STREAMED)
 async def test_simulator_has_every_engine_meta_key(sim: Simulators, name: str) -> None:
     (_, real), (_, simulated) = await both(sim, name)
@@ -256,11 +254,6 @@ def answer_request(name: str) -> dict[str, Any]:
     return recorded(name)["request"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the engine trims the matched stop token's text from `text` (output_ids and output_token_logprobs "
-    "keep it); the simulator's text includes the stop token's word",
-)
 async def test_stop_token_text_is_trimmed(sim: Simulators) -> None:
     real = recorded("stop")["json"]
     assert real["text"] == " w21" and real["output_ids"] == [21, 77]  # the recording shows the trim
@@ -319,11 +312,6 @@ async def test_stream_error_is_in_band(sim: Simulators) -> None:
         assert isinstance(error["message"], str) and error["code"] == 400, side
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason='SGLang 0.5.23 in-band stream errors carry {"message", "type": "invalid_request_error", "code": 400, '
-    '"retryable": false}; the simulator sends only {"message", "code"}',
-)
 async def test_stream_error_keys_match(sim: Simulators) -> None:
     (_, real), (_, simulated) = await both(sim, "stream_error_400")
     assert set(stream_chunks(simulated)[0]["error"]) == set(stream_chunks(real)[0]["error"])

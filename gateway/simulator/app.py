@@ -239,7 +239,9 @@ class Simulator:
             if isinstance(body, dict) and body.get("stream") is True:
                 # SGLang validates inside the stream: the error arrives in-band with HTTP 200.
                 self.stats.errors += 1
-                error = _sse({"error": {"message": str(exc), "code": 400}})
+                error = _sse(
+                    {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400, "retryable": False}}
+                )
                 return _EventStream(_one_shot([error, DONE_EVENT]), None)
             return self._failed(400, str(exc))
         if req.stream:
@@ -334,7 +336,7 @@ class Simulator:
                 m = target
                 if m == stop_at:
                     break  # the last tokens travel with the final chunk
-                yield self._maybe_malformed(_sse(gen.chunk(m)), mode, sent)
+                yield self._maybe_malformed(_sse(gen.chunk(m, first=sent == 0)), mode, sent)
                 sent += 1
                 if per_token == 0:
                     await asyncio.sleep(0)  # let aborts and disconnects in between chunks
@@ -374,7 +376,7 @@ class Simulator:
         e2e = time.perf_counter() - started
 
         def build() -> bytes:
-            answer = gen.final(m, finish, e2e)
+            answer = gen.final(m, finish, e2e, streamed=sse)
             return _sse(answer) if sse else orjson.dumps(answer)
 
         if gen.payload_size(m) > OFFLOAD_ELEMENTS:

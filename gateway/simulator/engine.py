@@ -17,6 +17,7 @@ the builders knowing about fault modes.
 from __future__ import annotations
 
 import re
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -445,13 +446,23 @@ class Generation:
             meta.pop(key, None)
         return {"text": self.text(m), "output_ids": self._ids[:m], "meta_info": meta}
 
-    def chunk(self, m: int) -> dict[str, Any]:
-        """A cumulative, unfinished stream chunk after `m` tokens."""
-        return self._answer(m, self._meta(m, None))
+    def chunk(self, m: int, *, first: bool = False) -> dict[str, Any]:
+        """A cumulative, unfinished stream chunk after `m` tokens (SGLang stamps only the first one)."""
+        meta = self._meta(m, None)
+        if first:
+            meta["response_sent_to_client_ts"] = time.time()
+        return self._answer(m, meta)
 
-    def final(self, m: int, finish: dict[str, Any], e2e_latency: float) -> dict[str, Any]:
+    def final(self, m: int, finish: dict[str, Any], e2e_latency: float, *, streamed: bool = False) -> dict[str, Any]:
         """The finished answer (or last stream chunk) after `m` tokens, with routing and top-p arrays."""
-        return self._answer(m, self._final_meta(m, finish, e2e_latency))
+        meta = self._final_meta(m, finish, e2e_latency)
+        if not streamed:
+            meta["response_sent_to_client_ts"] = time.time()
+        answer = self._answer(m, meta)
+        if finish.get("type") == "stop" and isinstance(finish.get("matched"), int) and m:
+            # SGLang trims the matched stop token's text (no_stop_trim defaults to false); ids and log-probs keep it.
+            answer["text"] = self.text(m - 1)
+        return answer
 
 
 # --------------------------------------------------------------------------------------- request parsing
