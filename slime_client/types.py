@@ -102,18 +102,10 @@ class SessionSummary:
 
 
 @dataclass(frozen=True, slots=True)
-class SessionState:
-    """``GET /v1/sessions/{id}``: the human/curl view of a session (``full`` only with ``full=True``)."""
+class SessionState(SessionSummary):
+    """``GET /v1/sessions/{id}``: the human/curl view of a session (``full`` only with ``full=True``): the
+    summary's fields and the rest of the view."""
 
-    session_id: str
-    status: str = "pending"
-    busy: bool = False
-    prompt_length: int = 0
-    response_length: int = 0
-    total_tokens: int = 0
-    turns: int = 0
-    created_at: float | None = None
-    updated_at: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     moe: MoEShape | None = None
     replay: dict[str, Any] = field(default_factory=dict)
@@ -127,7 +119,6 @@ class SessionState:
     last_tokens: list[int] = field(default_factory=list)
     turn_log: list[dict[str, Any]] = field(default_factory=list)
     full: dict[str, list[Any]] | None = None
-    raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Any) -> SessionState:
