@@ -49,7 +49,6 @@ DONE = "data: [DONE]"
 ABORT_AFTER_S = 0.15
 
 
-
 @cache
 def recorded(name: str) -> dict[str, Any]:
     return json.loads((FIXTURES / f"{name}.json").read_text())
