@@ -31,6 +31,17 @@ class GrowableArray:
         buf.append(array)
         return buf
 
+    @classmethod
+    def adopt(cls, values: np.ndarray) -> GrowableArray:
+        """Take ``values`` (C-contiguous) as the buffer itself, without a copy. The caller gives the array up: it
+        must not write to it afterwards (the buffer never writes over its visible items either, see
+        ``replace_tail``, and grows into a new array)."""
+        if not values.flags.c_contiguous:
+            return cls.from_array(values)
+        buf = cls(values.dtype, values.shape[1:])
+        buf._data, buf._len = values, len(values)
+        return buf
+
     def __len__(self) -> int:
         return self._len
 

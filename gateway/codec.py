@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import binascii
 import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,16 @@ TOP_P_ID_KEYS = ("top_p_token_ids", "top_p_kept_token_ids")
 TOP_P_OFFSET_KEYS = ("top_p_token_offsets", "top_p_kept_token_offsets")
 ROUTED_EXPERTS_KEY = "routed_experts"
 RAW_B64_KEYS = (ROUTED_EXPERTS_KEY, *TOP_P_ID_KEYS, *TOP_P_OFFSET_KEYS)
+# The base64 fields cut out of an answer before parsing it; of a group of aliases, the first one found.
+RAW_B64_GROUPS = ((ROUTED_EXPERTS_KEY,), TOP_P_ID_KEYS, TOP_P_OFFSET_KEYS)
+_ROUTED_EXPERTS_NEEDLE = b'"' + ROUTED_EXPERTS_KEY.encode() + b'":"'
+# Routing is decoded in steps of this many base64 characters (a multiple of 16: whole int32 per step). 256 KiB in,
+# 192 KiB out: each step's output is still in cache when it is checked and narrowed, and the GIL can change hands
+# between steps (a single 20 MB decode holds it for milliseconds).
+ROUTING_STEP_CHARS = 1 << 18
+# What an upstream answer's bytes can arrive as: a big one is received into an anonymous mmap (see
+# ``gateway.upstream._Connection.read_body``), which searches and slices like bytes.
+AnswerBytes = bytes | bytearray | mmap.mmap
 # Terminal counters slime sums into Sample.spec_info (speculative decoding).
 SPEC_COUNTER_KEYS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct")
 INT32_MAX = 2**31 - 1
@@ -41,7 +52,9 @@ class DecodedTurn:
     completion_tokens: int = 0
     cached_tokens: int = 0
     weight_version: str | None = None
-    routed_experts: np.ndarray | None = None  # int32, flat; reshaped by the fold that knows [L, K]
+    # flat, in the narrowest unsigned dtype holding routed_max (uint8 up to 256 experts): the stored form, which the
+    # fold on the event loop can keep as it is; reshaped by the fold, which knows [L, K]
+    routed_experts: np.ndarray | None = None
     routed_max: int | None = None  # the largest expert id, read as uint32 (None: not computed yet)
     top_p_ids: np.ndarray | None = None  # int32
     top_p_offsets: np.ndarray | None = None  # int32 [n + 1]
@@ -56,34 +69,46 @@ class DecodedTurn:
         return None if self.finish_reason is None else self.finish_reason.get("type")
 
 
-def decode_generate_response(body: bytes, *, want_routing: bool, want_top_p: bool) -> DecodedTurn:
+def decode_generate_response(body: AnswerBytes, *, want_routing: bool, want_top_p: bool) -> DecodedTurn:
     """Decode a non-streamed ``/generate`` answer (one request, not a batch).
 
-    The multi-megabyte base64 fields are cut out of the JSON as zero-copy views and decoded straight from
-    the received bytes: parsing them into Python strings would cost ~15x the base64 decode itself.
+    The multi-megabyte base64 fields are never parsed into Python strings (that would cost ~15x decoding them):
+    they are cut out of the JSON and decoded straight from the received bytes. The routing value is decoded,
+    checked and narrowed to its stored dtype in one pass of cache-sized steps, which also finds where it ends.
     """
-    rest, raw_fields = cut_raw_string_fields(body, RAW_B64_KEYS)
+    routing = _predecode_routing(body) if want_routing else None
+    found = {} if routing is None else {ROUTED_EXPERTS_KEY: routing[1]}
+    rest, raw_fields = cut_raw_string_fields(body, RAW_B64_GROUPS, found)
     answer = _parse_json_object(rest)
     meta = answer.get("meta_info")
     if raw_fields and isinstance(meta, dict):
         for key, value in raw_fields.items():
             if meta.get(key) == "":
-                meta[key] = value
+                meta[key] = routing[0] if routing is not None and key == ROUTED_EXPERTS_KEY else value
     return decode_answer(answer, want_routing=want_routing, want_top_p=want_top_p)
 
 
-def cut_raw_string_fields(body: bytes, keys: tuple[str, ...]) -> tuple[bytes, dict[str, memoryview]]:
-    """Replace the string values of ``keys`` by ``""`` and return them as views into ``body``.
+def cut_raw_string_fields(
+    body: AnswerBytes,
+    groups: tuple[tuple[str, ...], ...],
+    found: dict[str, tuple[int, int]] | None = None,
+) -> tuple[AnswerBytes, dict[str, memoryview]]:
+    """Replace the string values of the keys in ``groups`` by ``""`` and return them as views into ``body``.
 
+    Of each group (a key and its aliases) the first key found is cut; ``found`` gives spans already known.
     Only for values that can hold no quote or backslash (base64): a key is matched as ``"key":"`` with the
     opening quote unescaped, which cannot occur inside another JSON string. A key not found (or written with
     other spacing) is left in place for the JSON parser, so this is an optimization, never a change of meaning.
     """
-    spans: list[tuple[int, int, str]] = []
-    for key in keys:
-        span = _find_string_value(body, key, spans)
-        if span is not None:
-            spans.append((*span, key))
+    spans = [(start, end, key) for key, (start, end) in (found or {}).items()]
+    for group in groups:
+        if any(key in (found or {}) for key in group):
+            continue
+        for key in group:
+            span = _find_string_value(body, key, spans)
+            if span is not None:
+                spans.append((*span, key))
+                break
     if not spans:
         return body, {}
     view = memoryview(body)
@@ -98,12 +123,13 @@ def cut_raw_string_fields(body: bytes, keys: tuple[str, ...]) -> tuple[bytes, di
     return b"".join(pieces), raw
 
 
-def _find_string_value(body: bytes, key: str, taken: list[tuple[int, int, str]]) -> tuple[int, int] | None:
-    """(start, end) of the string value of ``key``, searching around the values already cut out (a missing
-    key must not cost a scan of a 20 MB routing value)."""
+def _find_string_value(body: AnswerBytes, key: str, taken: list[tuple[int, int, str]]) -> tuple[int, int] | None:
+    """(start, end) of the string value of ``key``, searching around the values already cut out (a missing key
+    must not cost a scan of a 20 MB routing value); the gaps after the cut values first, as the base64 fields
+    follow each other at the end of SGLang's meta_info."""
     needle = b'"' + key.encode() + b'":"'
     edges = [0, *(edge for start, end, _ in sorted(taken) for edge in (start, end)), len(body)]
-    for lo, hi in zip(edges[::2], edges[1::2], strict=True):
+    for lo, hi in reversed(list(zip(edges[::2], edges[1::2], strict=True))):
         at = body.find(needle, lo, hi)
         if at == -1:
             continue
@@ -113,6 +139,84 @@ def _find_string_value(body: bytes, key: str, taken: list[tuple[int, int, str]])
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class DecodedRouting:
+    """A ``routed_experts`` value decoded straight from the answer bytes by ``decode_int32_b64_run``."""
+
+    values: np.ndarray  # flat, the narrowest unsigned dtype holding max_id
+    max_id: int
+
+
+def _predecode_routing(body: AnswerBytes) -> tuple[DecodedRouting, tuple[int, int]] | None:
+    at = body.find(_ROUTED_EXPERTS_NEEDLE)
+    if at == -1:
+        return None
+    start = at + len(_ROUTED_EXPERTS_NEEDLE)
+    decoded = decode_int32_b64_run(body, start)
+    if decoded is None:
+        return None
+    values, max_id, end = decoded
+    return DecodedRouting(values, max_id), (start, end)
+
+
+def decode_int32_b64_run(body: AnswerBytes, start: int) -> tuple[np.ndarray, int, int] | None:
+    """Decode the base64 int32 string that starts at ``body[start]`` and runs to the next quote.
+
+    One pass of ``ROUTING_STEP_CHARS`` steps: decode, take the max (as uint32), store narrowed. Returns (the values
+    in the narrowest unsigned dtype, their max, the index of the closing quote), or None when anything is
+    irregular (not base64, padding before the end, not whole int32, no closing quote, a negative id): the caller
+    then takes the plain path, which reports the problem exactly as before.
+    """
+    size = len(body)
+    view = memoryview(body)
+    b64decode, frombuffer = pybase64.b64decode, np.frombuffer  # the loop runs ~100 times per answer
+    full_step = ROUTING_STEP_CHARS // 4 * 3
+    # At least the int32 count; the pages of the (small) excess are never touched, so they cost nothing.
+    out = np.empty((size - start) * 3 // 16 + 1, dtype=np.uint8)
+    limit = int(np.iinfo(out.dtype).max)  # the largest id ``out`` holds
+    filled = top = 0
+    pos = start
+    while True:
+        stop = pos + ROUTING_STEP_CHARS
+        end: int | None = None
+        try:
+            raw = b64decode(view[pos:stop], validate=True)
+        except (binascii.Error, ValueError):  # the closing quote (or garbage) is in this step
+            end = body.find(b'"', pos, stop)
+            if end == -1:
+                return None
+            try:
+                raw = b64decode(view[pos:end], validate=True)
+            except (binascii.Error, ValueError):
+                return None
+        else:
+            if stop >= size:
+                return None  # ran into the end of the body: no closing quote
+            if len(raw) != full_step:  # padding: only right before the closing quote
+                if body[stop : stop + 1] != b'"':
+                    return None
+                end = stop
+        if len(raw) & 3:
+            return None
+        count = len(raw) >> 2
+        if count:
+            values = frombuffer(raw, dtype="<u4")
+            step_max = int(values.max())
+            if step_max > top:
+                top = step_max
+                if top > limit:
+                    if top > INT32_MAX:
+                        return None
+                    wider = np.empty(len(out), dtype=narrowest_unsigned(top))
+                    wider[:filled] = out[:filled]
+                    out, limit = wider, int(np.iinfo(wider.dtype).max)
+            out[filled : filled + count] = values
+            filled += count
+        if end is not None:
+            return out[:filled], top, end
+        pos = stop
+
+
 def decode_answer(answer: dict[str, Any], *, want_routing: bool, want_top_p: bool) -> DecodedTurn:
     meta = answer.get("meta_info")
     if not isinstance(meta, dict):
@@ -120,8 +224,7 @@ def decode_answer(answer: dict[str, Any], *, want_routing: bool, want_top_p: boo
     token_ids, log_probs = decode_output_token_logprobs(meta.get("output_token_logprobs"))
     n = len(token_ids)
     finish_reason = _finish_reason(meta)
-    routed = _decode_routing(meta, want_routing, n, finish_reason)
-    routed_max = None if routed is None else unsigned_max(routed)
+    routed, routed_max = _decode_routing(meta, want_routing, n, finish_reason)
     if routed_max is not None and routed_max > INT32_MAX:
         raise UpstreamProtocolError("meta_info.routed_experts holds a negative expert id")
     top_p_ids, top_p_offsets = _decode_top_p(meta, want_top_p, n)
@@ -200,13 +303,14 @@ def decode_int32_b64(value: Any, name: str) -> np.ndarray:
 
 def _decode_routing(
     meta: dict[str, Any], wanted: bool, num_tokens: int, finish_reason: dict[str, Any] | None
-) -> np.ndarray | None:
+) -> tuple[np.ndarray | None, int | None]:
+    """(the routing values, their max read as uint32), or (None, None) when there is no routing to take."""
     if not wanted:
-        return None
+        return None, None
     value = meta.get(ROUTED_EXPERTS_KEY)
     if value is None:
         if num_tokens == 0 and finish_reason is not None and finish_reason.get("type") == "abort":
-            return None  # aborted before the first token: nothing to replay
+            return None, None  # aborted before the first token: nothing to replay
         raise ReplayDataDropped(
             "asked for routed experts (return_routed_experts) but the upstream answer has none: the replay "
             "data was dropped upstream. Likely causes: a router that re-serializes /generate and strips "
@@ -214,12 +318,21 @@ def _decode_routing(
             "server started without --enable-return-routed-experts",
             missing="routed_experts",
         )
-    return decode_int32_b64(value, ROUTED_EXPERTS_KEY)
+    if isinstance(value, DecodedRouting):
+        return value.values, value.max_id
+    routed = decode_int32_b64(value, ROUTED_EXPERTS_KEY)
+    max_id = unsigned_max(routed)
+    if max_id > INT32_MAX:
+        return routed, max_id  # a negative id: the caller rejects the answer
+    return routed.astype(narrowest_unsigned(max_id)), max_id
 
 
 def unsigned_max(values: np.ndarray) -> int:
-    """max() of int32 values read as uint32: one pass that also exposes negatives (they become >= 2**31)."""
-    return int(values.view(np.uint32).max()) if len(values) else 0
+    """max() of int32 values read as uint32: one pass that also exposes negatives (they become >= 2**31).
+    Unsigned values (routing already narrowed by ``decode_int32_b64_run``) are taken as they are."""
+    if not len(values):
+        return 0
+    return int(values.max() if values.dtype.kind == "u" else values.view(np.uint32).max())
 
 
 def _decode_top_p(meta: dict[str, Any], wanted: bool, num_tokens: int) -> tuple[np.ndarray | None, ...]:
@@ -285,9 +398,9 @@ def _first_present(meta: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return None
 
 
-def _parse_json_object(body: bytes) -> dict[str, Any]:
+def _parse_json_object(body: AnswerBytes) -> dict[str, Any]:
     try:
-        answer = orjson.loads(body)
+        answer = orjson.loads(body if isinstance(body, bytes | bytearray) else memoryview(body))
     except orjson.JSONDecodeError as exc:
         raise UpstreamProtocolError(f"upstream answer is not valid JSON: {exc}") from exc
     if isinstance(answer, list):

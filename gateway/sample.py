@@ -45,7 +45,7 @@ class RoutingPlan:
     """How a validated routing array lands in the state: rows kept from the store, then the new rows."""
 
     keep_rows: int
-    rows: np.ndarray  # [new_rows, L, K] int32
+    rows: np.ndarray  # [new_rows, L, K], as decoded (int32, or already the narrowest unsigned dtype)
     max_id: int
     upstream_ignored_start_len: bool = False
 
@@ -224,6 +224,11 @@ class SessionSample:
         max_id = plan.max_id
         if self.routed_experts is None:
             dtype = narrowest_unsigned(max_id)
+            if plan.keep_rows == 0 and plan.rows.dtype == dtype:
+                # The codec decoded the rows straight into their stored dtype, for this fold only: keep that
+                # array rather than copy megabytes on the event loop.
+                self.routed_experts = GrowableArray.adopt(plan.rows)
+                return
             self.routed_experts = GrowableArray(dtype, (self.moe.num_layers, self.moe.topk))  # type: ignore[union-attr]
         elif max_id > np.iinfo(self.routed_experts.dtype).max:
             self.routed_experts.widen(narrowest_unsigned(max_id))

@@ -57,7 +57,9 @@ class GatewayState:
         await asyncio.gather(*(turn.wait(timeout_s) for turn in running))
 
 
-def get_state(request: Request) -> GatewayState:
+async def get_state(request: Request) -> GatewayState:
+    # async: a sync dependency would run in a worker thread on every request
+
     return request.app.state.gateway
 
 

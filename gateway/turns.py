@@ -175,6 +175,7 @@ async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -
             len(answer),
             lambda: decode_generate_response(answer, want_routing=plan.want_routing, want_top_p=plan.want_top_p),
         )
+        state.upstream.recycle(answer)  # the decoded turn holds no view of the answer's bytes
         return fold(state, session, plan, turn)
     finally:
         handle.finished()

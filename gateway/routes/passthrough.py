@@ -1,53 +1,141 @@
-"""SGLang-compatible passthrough: bodies are forwarded as bytes, never parsed or re-serialized."""
+"""SGLang-compatible passthrough: bodies are forwarded as bytes, never parsed or re-serialized.
+
+This is the gateway's overhead on every plain SGLang call, so it is lean: raw ASGI over ``Upstream.forward``
+(a minimal HTTP/1.1 pool, not httpx), and ``PassthroughMiddleware`` serves these routes ahead of FastAPI's
+exception, routing and dependency layers (~40 us a call). The routes are also registered on the router, which
+serves them when the middleware is not installed and answers 405 to other methods.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-import httpx
-from fastapi import APIRouter, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.state import StateDep
-from gateway.upstream import FORWARDED_REQUEST_HEADERS, ROUTING_KEY_HEADER
+from gateway.errors import GatewayError
+from gateway.state import GatewayState
+from gateway.upstream import FORWARDED_REQUEST_HEADERS, ROUTING_KEY_HEADER, RawResponse
 
 SESSION_HEADER = "x-session-id"
+POST_PATHS = ("/generate", "/abort_request", "/flush_cache")
+GET_PATHS = ("/health_generate", "/get_model_info", "/get_server_info", "/model_info", "/server_info", "/v1/loads")
 
 router = APIRouter(tags=["sglang passthrough"])
 
+_FORWARDED = frozenset(name.encode() for name in FORWARDED_REQUEST_HEADERS)
+_ROUTING_KEY = ROUTING_KEY_HEADER.encode()
+_ROUTING_KEY_SOURCES = (SESSION_HEADER.encode(), _ROUTING_KEY.lower())
 
-async def forward(request: Request, state: StateDep) -> Response:
-    headers = {name: request.headers[name] for name in FORWARDED_REQUEST_HEADERS if name in request.headers}
-    routing_key = request.headers.get(SESSION_HEADER) or request.headers.get(ROUTING_KEY_HEADER)
+
+def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The client's headers the upstream gets (ASGI names are lower-case), plus the routing-affinity key taken
+    from ``X-Session-Id`` (or an ``X-SMG-Routing-Key`` the client set itself)."""
+    headers: dict[bytes, bytes] = {}
+    found = dict.fromkeys(_ROUTING_KEY_SOURCES, b"")
+    for name, value in raw:
+        if name in _FORWARDED:
+            headers.setdefault(name, value)  # the first one, as Starlette's Headers[name] gives
+        elif name in found and not found[name]:
+            found[name] = value
+    out = list(headers.items())
+    routing_key = found[_ROUTING_KEY_SOURCES[0]] or found[_ROUTING_KEY_SOURCES[1]]
     if routing_key:
-        headers[ROUTING_KEY_HEADER] = routing_key
-    body = await request.body()
-    upstream_request = state.upstream.client.build_request(
-        request.method, request.url.path, params=request.query_params, content=body, headers=headers
-    )
-    response = await state.upstream.send(upstream_request)
-    media_type = response.headers.get("content-type")
-    if media_type and media_type.startswith("text/event-stream"):
-        # Each upstream event reaches the client as it arrives; the upstream response is closed when the
-        # client's stream ends, normally or not.
-        return StreamingResponse(_relay(response), status_code=response.status_code, media_type=media_type)
-    try:
-        content = await response.aread()
-    finally:
-        await response.aclose()
-    return Response(content, status_code=response.status_code, media_type=media_type)
+        out.append((_ROUTING_KEY, routing_key))
+    return out
 
 
-async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
+async def read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class Forward:
+    """One passthrough route, as a raw ASGI endpoint."""
+
+    def __init__(self, path: str, methods: frozenset[str]) -> None:
+        self.path = path  # what the metrics middleware labels the request with (``scope["route"].path``)
+        self.methods = methods
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await self.prepare(scope, receive)
+        if response is not None:
+            await response(scope, receive, send)
+
+    async def prepare(self, scope: Scope, receive: Receive) -> Response | None:
+        """Forward the request; the response to send (None: the client left before its body arrived).
+        ``GatewayError`` (upstream unreachable, slow, gone) is raised before anything was sent."""
+        scope["route"] = self
+        state: GatewayState = scope["app"].state.gateway
+        try:
+            body = await read_body(receive)
+        except ClientDisconnect:
+            return None
+        target = scope["path"].encode()
+        if scope["query_string"]:
+            target += b"?" + scope["query_string"]
+        response = await state.upstream.forward(scope["method"], target, forwarded_headers(scope["headers"]), body)
+        media_type = response.content_type
+        if media_type and media_type.startswith("text/event-stream"):
+            # Each upstream event reaches the client as it arrives; the upstream response is closed when the
+            # client's stream ends, normally or not.
+            return StreamingResponse(_relay(response), status_code=response.status, media_type=media_type)
+        try:
+            content = await response.read()
+        finally:
+            await response.aclose()
+        # A big body arrives as an mmap (see ``RawResponse.read``); a view of it is sent without a copy.
+        body = content if isinstance(content, bytes) else memoryview(content)
+        return Response(body, status_code=response.status, media_type=media_type)
+
+
+async def _relay(response: RawResponse) -> AsyncIterator[bytes]:
     """Upstream bytes as they arrive; the upstream response is closed however the client's stream ends."""
     try:
-        async for chunk in response.aiter_raw():
+        async for chunk in response.iter_raw():
             yield chunk
     finally:
         await response.aclose()
 
 
-for path in ("/generate", "/abort_request", "/flush_cache"):
-    router.add_api_route(path, forward, methods=["POST"], include_in_schema=True)
-for path in ("/health_generate", "/get_model_info", "/get_server_info", "/model_info", "/server_info", "/v1/loads"):
-    router.add_api_route(path, forward, methods=["GET"], include_in_schema=True)
+ROUTES: dict[str, Forward] = {
+    **{path: Forward(path, frozenset({"POST"})) for path in POST_PATHS},
+    **{path: Forward(path, frozenset({"GET", "HEAD"})) for path in GET_PATHS},  # HEAD: as Starlette adds to GET
+}
+for _route in ROUTES.values():
+    router.add_route(_route.path, _route, methods=sorted(_route.methods - {"HEAD"}))
+
+ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
+
+
+class PassthroughMiddleware:
+    """Serves the passthrough routes before FastAPI's own layers; every other request goes on to ``app``.
+
+    Install it inside ``MetricsMiddleware`` (so these calls are counted). ``on_error`` renders a
+    ``GatewayError`` as the app's exception handler would.
+    """
+
+    def __init__(self, app: ASGIApp, on_error: ErrorHandler) -> None:
+        self.app = app
+        self.on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            route = ROUTES.get(scope["path"])
+            if route is not None and scope["method"] in route.methods:
+                try:
+                    response = await route.prepare(scope, receive)
+                except GatewayError as exc:
+                    response = await self.on_error(Request(scope, receive), exc)
+                if response is not None:
+                    await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,41 @@
+"""The table's rows, in order: each module has ``NAME`` and ``run(ctx) -> RowResult``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+from bench.core import RowFn
+from bench.rows import (
+    decode_fold,
+    event_loop,
+    materialize,
+    memory,
+    passthrough,
+    routing_traffic,
+    streaming,
+    trainer_bytes,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    number: int
+    name: str
+    run: RowFn
+
+
+def _row(number: int, module: ModuleType) -> Row:
+    return Row(number, module.NAME, module.run)
+
+
+ROWS: tuple[Row, ...] = (
+    _row(1, decode_fold),
+    _row(2, trainer_bytes),
+    _row(3, materialize),
+    _row(4, routing_traffic),
+    _row(5, passthrough),
+    _row(6, event_loop),
+    _row(7, memory),
+    _row(8, streaming),
+)
