@@ -11,6 +11,7 @@ buffer copy per tensor, no per-token Python objects); only ``to_slime`` builds t
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,22 +206,25 @@ def read_safetensors_metadata(body: bytes | bytearray) -> dict[str, str]:
 
 
 def _load_tensors(body: bytes) -> dict[str, torch.Tensor]:
-    """Tensors as views into ONE writable copy of the body: a single memcpy, no per-tensor allocation.
+    """Tensors as zero-copy views into the response body (``torch.frombuffer`` at each tensor's offsets).
 
-    ``safetensors.torch.load`` copies every tensor out of the bytes on its own (~10x this for a 4 MB MoE sample),
-    and its file-based zero-copy API needs a file; the format is simple enough to map directly (header
-    validated here, then ``torch.frombuffer`` at each tensor's offsets).
+    ``safetensors.torch.load`` copies every tensor out of the bytes (~10x this for a 4 MB MoE sample), and its
+    zero-copy API needs a file; the format (8-byte length, JSON header, raw data) is simple enough to map
+    directly. The tensors share the body's memory, which nothing else holds: ``.clone()`` one before writing to
+    it in place (``to_slime`` and ``routed_experts_int32`` already hand out copies).
     """
     header, data_start = read_safetensors_header(body)
-    buffer = bytearray(body)  # writable, so the tensors are ordinary tensors a trainer may modify in place
     tensors: dict[str, torch.Tensor] = {}
-    for name, spec in header.items():
-        if name != "__metadata__":
-            tensors[name] = _tensor_view(buffer, data_start, name, spec)
+    with warnings.catch_warnings():
+        # torch warns that a bytes object is not writable; the views are handed out as documented above.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        for name, spec in header.items():
+            if name != "__metadata__":
+                tensors[name] = _tensor_view(body, data_start, name, spec)
     return tensors
 
 
-def _tensor_view(buffer: bytearray, data_start: int, name: str, spec: Any) -> torch.Tensor:
+def _tensor_view(buffer: bytes, data_start: int, name: str, spec: Any) -> torch.Tensor:
     try:
         dtype = SAFETENSORS_DTYPES[spec["dtype"]]
         shape = [int(dim) for dim in spec["shape"]]
