@@ -83,6 +83,8 @@ async def abort(session_id: str, state: StateDep) -> Response:
 async def append(session_id: str, body: ToolAppendBody, state: StateDep) -> Response:
     async with state.store.exclusive(session_id) as session:
         session.sample.append_tool_tokens(np.asarray(body.token_ids, dtype=np.int32), body.text)
+        state.metrics.turns.labels("tool", "appended").inc()
+        state.metrics.folded_tokens.labels("false").inc(len(body.token_ids))
         return json_response(session_summary(session))
 
 
