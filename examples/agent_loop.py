@@ -30,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-layers", type=int, default=4, help="the model's num_hidden_layers (routing replay)")
     parser.add_argument("--topk", type=int, default=2, help="the model's num_experts_per_tok (routing replay)")
     parser.add_argument("--no-replay", action="store_true", help="no routing / top-p replay (dense model)")
+    parser.add_argument("--seed", type=int, default=7, help="sampling_seed of the first turn (+1 per turn)")
     parser.add_argument("--session-id", help="choose the session id (default: the gateway picks one)")
     parser.add_argument("--keep-session", action="store_true", help="leave the session on the gateway (for curl)")
     return parser.parse_args(argv)
@@ -82,7 +83,8 @@ async def run(args: argparse.Namespace) -> None:
         try:
             for index in range(args.turns):
                 last = index == args.turns - 1
-                turn = await (streamed_turn(session, sampling) if last else session.generate(sampling))
+                params = sampling | {"sampling_seed": args.seed + index}
+                turn = await (streamed_turn(session, params) if last else session.generate(params))
                 print(describe_turn(index, turn))
                 if not last:
                     tool_ids = fake_tool_output(turn)
