@@ -96,11 +96,6 @@ class GrowableArray:
             self._data, self._len = fresh, keep
         self.append(values)
 
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self._len:
-            raise ValueError(f"cannot truncate {self._len} items to {length}")
-        self._len = length
-
     def widen(self, dtype: npt.DTypeLike) -> None:
         """Switch to a wider dtype (e.g. uint8 -> uint16 routing ids) keeping the values."""
         self._data = self._data.astype(dtype)

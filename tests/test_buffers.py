@@ -74,23 +74,33 @@ def test_view_is_read_only_and_not_a_copy() -> None:
     assert view.tolist() == [1, 2, 3]
 
 
-def test_truncate_then_append_overwrites() -> None:
+def test_replace_tail_never_writes_over_visible_items() -> None:
     buffer = GrowableArray.from_array(np.arange(5, dtype=np.int32))
-    buffer.truncate(5)
-    buffer.truncate(2)
-    assert buffer.view().tolist() == [0, 1]
-    buffer.append(np.array([7, 8]))
-    assert buffer.view().tolist() == [0, 1, 7, 8]
-    buffer.truncate(0)
+    snapshot = buffer.view()  # e.g. handed to a thread encoding the sample
+    buffer.replace_tail(2, np.array([7, 8, 9], dtype=np.int32))
+    assert buffer.view().tolist() == [0, 1, 7, 8, 9]
+    assert snapshot.tolist() == [0, 1, 2, 3, 4]  # the earlier view is still a valid snapshot
+    buffer.replace_tail(5, np.array([10], dtype=np.int32))  # keeping everything: a plain append
+    assert buffer.view().tolist() == [0, 1, 7, 8, 9, 10]
+    buffer.replace_tail(0, np.array([], dtype=np.int32))
     assert len(buffer) == 0
 
 
-@pytest.mark.parametrize("length", [-1, 5])
-def test_truncate_refuses_to_grow_or_go_negative(length: int) -> None:
+@pytest.mark.parametrize("keep", [-1, 5])
+def test_replace_tail_refuses_to_keep_what_is_not_there(keep: int) -> None:
     buffer = GrowableArray.from_array(np.arange(4, dtype=np.int32))
     with pytest.raises(ValueError):
-        buffer.truncate(length)
+        buffer.replace_tail(keep, np.array([1], dtype=np.int32))
     assert buffer.view().tolist() == [0, 1, 2, 3]
+
+
+def test_adopt_takes_the_array_without_copying() -> None:
+    values = np.arange(6, dtype=np.uint8).reshape(3, 2)
+    buffer = GrowableArray.adopt(values)
+    assert np.shares_memory(buffer.view(), values)
+    buffer.append(np.array([[6, 7]], dtype=np.uint8))  # grows into a new array
+    assert buffer.view().tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert values.tolist() == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_widen_keeps_values() -> None:
