@@ -23,7 +23,6 @@ from gateway.errors import ReplayDataDropped, UpstreamProtocolError
 TOP_P_ID_KEYS = ("top_p_token_ids", "top_p_kept_token_ids")
 TOP_P_OFFSET_KEYS = ("top_p_token_offsets", "top_p_kept_token_offsets")
 ROUTED_EXPERTS_KEY = "routed_experts"
-RAW_B64_KEYS = (ROUTED_EXPERTS_KEY, *TOP_P_ID_KEYS, *TOP_P_OFFSET_KEYS)
 # The base64 fields cut out of an answer before parsing it; of a group of aliases, the first one found.
 RAW_B64_GROUPS = ((ROUTED_EXPERTS_KEY,), TOP_P_ID_KEYS, TOP_P_OFFSET_KEYS)
 _ROUTED_EXPERTS_NEEDLE = b'"' + ROUTED_EXPERTS_KEY.encode() + b'":"'
