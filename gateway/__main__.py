@@ -19,7 +19,9 @@ def parse_args(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--host", help="listen address (env GATEWAY_HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (env GATEWAY_PORT, default 8000)")
     parser.add_argument("--log-level", help="critical|error|warning|info|debug (env GATEWAY_LOG_LEVEL)")
-    parser.add_argument("--request-timeout-s", type=float, help="upstream read timeout (env GATEWAY_REQUEST_TIMEOUT_S)")
+    parser.add_argument(
+        "--request-timeout-s", type=float, help="deadline of one upstream call (env GATEWAY_REQUEST_TIMEOUT_S)"
+    )
     args = parser.parse_args(argv)
     return {key: value for key, value in vars(args).items() if value is not None}
 

@@ -31,7 +31,7 @@ _ROUTED_EXPERTS_NEEDLE = b'"' + ROUTED_EXPERTS_KEY.encode() + b'":"'
 # between steps (a single 20 MB decode holds it for milliseconds).
 ROUTING_STEP_CHARS = 1 << 18
 # What an upstream answer's bytes can arrive as: a big one is received into an anonymous mmap (see
-# ``gateway.upstream._Connection.read_body``), which searches and slices like bytes.
+# ``slime_wire.http1.BodyBuffers``), which searches and slices like bytes.
 AnswerBytes = bytes | bytearray | mmap.mmap
 # Terminal counters slime sums into Sample.spec_info (speculative decoding).
 SPEC_COUNTER_KEYS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct")
@@ -423,23 +423,11 @@ def encode_safetensors(arrays: dict[str, np.ndarray], metadata: dict[str, str]) 
 
 
 # ---- streaming: SGLang's cumulative SSE chunks, consumed in O(new tokens) per chunk -------------------------------
+# (the SSE framing itself is ``slime_wire.sse``; these are the events' ``data`` payloads)
 SSE_DONE = b"[DONE]"
 _LOGPROBS_KEY = b'"output_token_logprobs":['
 _TEXT_PREFIX = b'{"text":"'
 _FINISH_KEY = b'"finish_reason":'
-
-
-def split_sse_events(buffer: bytearray) -> list[bytes]:
-    """Pop the complete ``data:`` payloads off the front of ``buffer`` (events end with a blank line)."""
-    events: list[bytes] = []
-    start = 0
-    while (end := buffer.find(b"\n\n", start)) != -1:
-        for line in bytes(buffer[start:end]).split(b"\n"):
-            if line.startswith(b"data:"):
-                events.append(line[5:].lstrip(b" ").rstrip(b"\r"))
-        start = end + 2
-    del buffer[:start]
-    return events
 
 
 @dataclass(slots=True)
@@ -459,8 +447,11 @@ class CumulativeStreamDecoder:
     as before, so the decoder remembers where the seen items end inside the log-prob list and the text, locates
     them with C-speed byte searches, and JSON-parses only the new bytes. The gateway asks without
     ``return_text_in_logprobs``, so items are ``[logprob, id, null]`` and the list ends at the first ``]]``.
-    Anything unexpected falls back to a full parse of that chunk (correct, just slower). The final chunk
-    (``finish_reason`` set) is always parsed in full by ``decode_answer``: routing and top-p arrays live there.
+    Anything unexpected falls back to a full parse of that chunk (correct, just slower).
+
+    The final chunk (``finish_reason`` set: ``is_final``) carries the routing and top-p arrays, megabytes of base64:
+    the caller decodes it like a unary answer (``decode_generate_response``, the cut-out decode) and takes its
+    delta with ``final_delta``. Payloads may be bytes or a pooled buffer (an mmap): only ``find`` and slicing.
     """
 
     def __init__(self) -> None:
@@ -476,9 +467,10 @@ class CumulativeStreamDecoder:
         self._finish_key_at = 0
         self._fast = True
 
-    def feed(self, payload: bytes) -> tuple[StreamDelta, dict[str, Any] | None]:
-        """Decode one chunk: (what it added, the parsed answer when the chunk is final or needed a full parse)."""
-        if self._fast and not self._is_final_chunk(payload):
+    def feed(self, payload: AnswerBytes) -> tuple[StreamDelta, dict[str, Any] | None]:
+        """Decode one chunk: (what it added, the parsed answer when the chunk needed a full parse: one without
+        ``finish_reason``, such as an in-band error, or one the fast path could not follow)."""
+        if self._fast and self._finish_state(payload) == b"null":
             delta = self._fast_delta(payload)
             if delta is not None:
                 return delta, None
@@ -487,14 +479,31 @@ class CumulativeStreamDecoder:
         self.full_parses += 1
         return self._delta_from_answer(answer), answer
 
-    def _is_final_chunk(self, payload: bytes) -> bool:
+    def is_final(self, payload: AnswerBytes) -> bool:
+        """Whether the chunk has a ``finish_reason`` that is not null (O(bytes since the key's last place))."""
+        state = self._finish_state(payload)
+        return state is not None and state != b"null"
+
+    def final_delta(self, turn: DecodedTurn) -> StreamDelta:
+        """What the final chunk added, from its decoded form (the whole turn so far)."""
+        if turn.num_tokens < self.num_tokens or len(turn.text) < self._text_chars:
+            raise UpstreamProtocolError("the final stream chunk holds fewer tokens or less text than the ones before")
+        delta = StreamDelta(
+            turn.token_ids[self.num_tokens :], turn.log_probs[self.num_tokens :], turn.text[self._text_chars :]
+        )
+        self.items_parsed += turn.num_tokens
+        self.num_tokens, self._text_chars = turn.num_tokens, len(turn.text)
+        return delta
+
+    def _finish_state(self, payload: AnswerBytes) -> bytes | None:
+        """The first 4 bytes of the ``finish_reason`` value (``b"null"`` while running), None without the key."""
         at = _find_from(payload, _FINISH_KEY, self._finish_key_at)
         if at == -1:
-            return True  # no finish_reason at all: let the full parse decide what this is
+            return None
         self._finish_key_at = at
-        return payload[at + len(_FINISH_KEY) : at + len(_FINISH_KEY) + 4] != b"null"
+        return payload[at + len(_FINISH_KEY) : at + len(_FINISH_KEY) + 4]
 
-    def _fast_delta(self, payload: bytes) -> StreamDelta | None:
+    def _fast_delta(self, payload: AnswerBytes) -> StreamDelta | None:
         key = _find_from(payload, _LOGPROBS_KEY, self._logprobs_key_at)
         if key == -1:
             return None
@@ -525,8 +534,8 @@ class CumulativeStreamDecoder:
         self.items_parsed += len(items)
         return StreamDelta(ids, log_probs, text)
 
-    def _text_delta(self, payload: bytes) -> str | None:
-        if not payload.startswith(_TEXT_PREFIX):
+    def _text_delta(self, payload: AnswerBytes) -> str | None:
+        if payload[: len(_TEXT_PREFIX)] != _TEXT_PREFIX:
             return None
         begin = len(_TEXT_PREFIX) + self._text_bytes
         close = payload.find(b'"', begin)
@@ -557,13 +566,13 @@ class CumulativeStreamDecoder:
         return StreamDelta(ids, log_probs, delta_text)
 
 
-def _find_from(payload: bytes, needle: bytes, hint: int) -> int:
+def _find_from(payload: AnswerBytes, needle: bytes, hint: int) -> int:
     """``find`` starting at where the needle was last time, falling back to a full search."""
     at = payload.find(needle, hint)
     return payload.find(needle) if at == -1 and hint else at
 
 
-def _escaped(payload: bytes, quote: int) -> bool:
+def _escaped(payload: AnswerBytes, quote: int) -> bool:
     """Whether the quote at ``quote`` is escaped (an odd run of backslashes right before it)."""
     run = 0
     while quote - run - 1 >= 0 and payload[quote - run - 1] == 0x5C:

@@ -13,9 +13,26 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=1, le=65535)
     log_level: str = Field("info", pattern="^(critical|error|warning|info|debug)$")
-    request_timeout_s: float = Field(600.0, gt=0, description="upstream read timeout for one /generate call")
-    connect_timeout_s: float = Field(5.0, gt=0)
-    max_connections: int = Field(512, ge=1, description="pooled upstream connections")
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="deadline for one whole upstream call (connect, send, the answer to its last byte; a streamed "
+        "turn included): past it the call is cut and answered 504 upstream_timeout",
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="opening one upstream connection (503 past it)")
+    pool_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="waiting for a free upstream connection when max_connections are busy: 503 upstream_unavailable "
+        "past it (nothing was sent, so the SDK retries)",
+    )
+    max_connections: int = Field(512, ge=1, description="upstream connections open at once, at most")
+    upstream_keepalive_s: float = Field(
+        4.0,
+        gt=0,
+        description="idle upstream connections are reused for this long; keep it below the upstream's own keep-alive "
+        "(uvicorn's, SGLang's: 5 s)",
+    )
     decode_offload_bytes: int = Field(
         64 * 1024, ge=0, description="answers larger than this are decoded in a worker thread, off the event loop"
     )

@@ -18,7 +18,7 @@ from gateway.codec import INT32_MAX, DecodedTurn, narrowest_unsigned, unsigned_m
 from gateway.errors import InvalidRequest, UpstreamProtocolError
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     """slime's ``Sample.Status`` values."""
 
     PENDING = "pending"

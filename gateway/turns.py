@@ -11,10 +11,10 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import numpy as np
 import orjson
 
@@ -26,13 +26,14 @@ from gateway.codec import (
     StreamDelta,
     decode_answer,
     decode_generate_response,
-    split_sse_events,
     stream_error_payload,
 )
 from gateway.errors import GatewayError, InvalidRequest, UpstreamError, UpstreamProtocolError
 from gateway.schemas import TurnCreate
 from gateway.state import GatewayState
 from gateway.store import Session
+from slime_wire.http1 import Response
+from slime_wire.sse import SSEDecoder, SSEError
 
 log = logging.getLogger("gateway.turns")
 
@@ -130,6 +131,16 @@ def fold(
     return turn_summary(session, plan, turn, record.routing_rows)
 
 
+def check_answer_belongs(plan: TurnPlan, turn: DecodedTurn) -> None:
+    """An answer is folded only into the turn that asked for it: a late or foreign answer (an earlier request's,
+    on a reused connection) would otherwise become this turn's tokens."""
+    if turn.rid != plan.rid:
+        raise UpstreamProtocolError(
+            f"the upstream answered for request {turn.rid!r}, not for this turn's {plan.rid!r}",
+            reason="foreign_answer",
+        )
+
+
 class TurnHandle:
     """The running turn as the abort endpoint sees it (``store.RunningTurn``)."""
 
@@ -170,12 +181,15 @@ async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -
     session.running = handle
     try:
         answer = await state.upstream.post_generate(upstream_payload(session, plan), routing_key=session.session_id)
-        turn = await state.decode(
-            "answer",
-            len(answer),
-            lambda: decode_generate_response(answer, want_routing=plan.want_routing, want_top_p=plan.want_top_p),
-        )
-        state.upstream.recycle(answer)  # the decoded turn holds no view of the answer's bytes
+        try:
+            turn = await state.decode(
+                "answer",
+                len(answer),
+                lambda: decode_generate_response(answer, want_routing=plan.want_routing, want_top_p=plan.want_top_p),
+            )
+        finally:
+            state.upstream.recycle(answer)  # the decoded turn holds no view of the answer's bytes
+        check_answer_belongs(plan, turn)
         return fold(state, session, plan, turn)
     finally:
         handle.finished()
@@ -193,7 +207,7 @@ async def open_stream_turn(state: GatewayState, session: Session, request: TurnC
 class StreamTurn(TurnHandle):
     """A streamed turn: a producer task folds the upstream stream; the caller reads events from a queue."""
 
-    def __init__(self, state: GatewayState, session: Session, plan: TurnPlan, response: httpx.Response) -> None:
+    def __init__(self, state: GatewayState, session: Session, plan: TurnPlan, response: Response) -> None:
         super().__init__(state, plan)
         self.session = session
         self.response = response
@@ -239,8 +253,7 @@ class StreamTurn(TurnHandle):
             # An invalid answer changes nothing, exactly as in a unary turn.
             self.state.metrics.record_error(exc)
             self.events.put_nowait({"type": "error", "error": exc.to_body()["error"], "turn": None})
-        except (GatewayError, httpx.HTTPError) as exc:
-            error = exc if isinstance(exc, GatewayError) else UpstreamError(f"upstream stream broke: {exc!r}")
+        except GatewayError as error:
             self.state.metrics.record_error(error)
             partial = self._fold_partial(error.message) if len(self.token_ids) else None
             self.events.put_nowait({"type": "error", "error": error.to_body()["error"], "turn": partial})
@@ -251,41 +264,49 @@ class StreamTurn(TurnHandle):
             self.events.put_nowait(None)
 
     async def _consume(self) -> dict[str, Any]:
-        buffer = bytearray()
-        async for raw in self.response.aiter_raw():
-            buffer.extend(raw)
-            for payload in split_sse_events(buffer):
-                if payload == SSE_DONE:
-                    break
-                summary = await self._on_chunk(payload)
-                if summary is not None:
-                    return summary
+        upstream = self.state.upstream
+        # The final event (tens of MB of routing) is joined into a pooled buffer, given back once decoded.
+        events = SSEDecoder(big_buffer=upstream.buffers.take)
+        async with aclosing(upstream.relay(self.response)) as pieces:
+            async for piece in pieces:
+                try:
+                    payloads = [event.data for event in events.feed(piece)]
+                except SSEError as exc:
+                    raise UpstreamProtocolError(f"unreadable upstream stream: {exc}") from exc
+                for payload in payloads:
+                    if payload == SSE_DONE:
+                        break
+                    try:
+                        summary = await self._on_chunk(payload)
+                    finally:
+                        upstream.recycle(payload)
+                    if summary is not None:
+                        return summary
         raise UpstreamError("upstream stream ended without a final chunk")
 
     async def _on_chunk(self, payload: bytes) -> dict[str, Any] | None:
-        delta, answer, turn = await self.state.decode("stream_chunk", len(payload), lambda: self._decode(payload))
+        if self.decoder.is_final(payload):
+            turn = await self.state.decode("stream_final", len(payload), lambda: self._decode_final(payload))
+            check_answer_belongs(self.plan, turn)
+            self._take(self.decoder.final_delta(turn))
+            return fold(self.state, self.session, self.plan, turn)
+        delta, answer = await self.state.decode("stream_chunk", len(payload), lambda: self.decoder.feed(payload))
         if answer is not None and (error := stream_error_payload(answer)) is not None:
             raise UpstreamError(
                 f"upstream reported an error in the stream: {error.get('message', error)}",
                 upstream_code=error.get("code"),
             )
         self._take(delta)
-        if turn is None:
+        meta = None if answer is None else answer.get("meta_info")
+        if not isinstance(meta, dict) or meta.get("finish_reason") is None:
             return None
+        # a final chunk the fast check could not see (its keys laid out differently): decode the parsed form
+        turn = decode_answer(answer, want_routing=self.plan.want_routing, want_top_p=self.plan.want_top_p)  # type: ignore[arg-type]
+        check_answer_belongs(self.plan, turn)
         return fold(self.state, self.session, self.plan, turn)
 
-    def _decode(self, payload: bytes) -> tuple[StreamDelta, dict[str, Any] | None, DecodedTurn | None]:
-        delta, answer = self.decoder.feed(payload)
-        if answer is None or "error" in answer:
-            return delta, answer, None
-        meta = answer.get("meta_info")
-        if not isinstance(meta, dict) or meta.get("finish_reason") is None:
-            return delta, answer, None
-        return (
-            delta,
-            answer,
-            decode_answer(answer, want_routing=self.plan.want_routing, want_top_p=self.plan.want_top_p),
-        )
+    def _decode_final(self, payload: bytes) -> DecodedTurn:
+        return decode_generate_response(payload, want_routing=self.plan.want_routing, want_top_p=self.plan.want_top_p)
 
     def _take(self, delta: StreamDelta) -> None:
         if not len(delta.token_ids) and not delta.text:

@@ -14,7 +14,9 @@ import pytest
 from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway, run_simulator
 from safetensors.numpy import load as load_safetensors
 
-from gateway.codec import CumulativeStreamDecoder, split_sse_events
+from slime_wire.sse import SSEDecoder
+
+from gateway.codec import CumulativeStreamDecoder, decode_generate_response
 
 TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
 TOKEN_DELAY_MS = 4
@@ -48,7 +50,7 @@ async def create(gw: httpx.AsyncClient, prompt: list[int]) -> str:
 
 
 def sse_payloads(raw: bytes) -> list[bytes]:
-    return split_sse_events(bytearray(raw))
+    return [event.data for event in SSEDecoder().feed(raw)]
 
 
 async def stream_turn(gw: httpx.AsyncClient, sid: str, sampling: dict[str, Any]) -> list[dict[str, Any]]:
@@ -198,11 +200,10 @@ async def test_invalid_final_chunk_changes_nothing(gw: httpx.AsyncClient, sim: h
 # ---- aborts ---------------------------------------------------------------------------------------------------------
 async def read_some_deltas(response: httpx.Response, count: int) -> int:
     """Read until `count` delta events arrived; returns how many tokens they carried."""
-    buffer, seen, tokens = bytearray(), 0, 0
+    events, seen, tokens = SSEDecoder(), 0, 0
     async for chunk in response.aiter_raw():
-        buffer.extend(chunk)
-        for payload in split_sse_events(buffer):
-            event = orjson.loads(payload)
+        for sse in events.feed(chunk):
+            event = orjson.loads(sse.data)
             if event["type"] == "delta":
                 seen += 1
                 tokens += len(event["token_ids"])
@@ -303,10 +304,12 @@ def test_per_chunk_work_is_flat(n: int) -> None:
     assert tokens == reference["output_ids"]
     assert "".join(text) == reference["text"]
     # Python-level work: each token parsed once over the whole stream (not once per chunk: O(n), not O(n^2)),
-    # and only the final chunk is parsed in full.
-    assert decoder.items_parsed == len(tokens)
-    delta, answer = decoder.feed(chunks[-1])
-    assert answer is not None and decoder.full_parses == 1
+    # and none in full.
+    assert decoder.items_parsed == len(tokens) and decoder.full_parses == 0
+    # The final chunk is told apart cheaply and decoded like a unary answer; its delta is what the others lacked.
+    assert decoder.is_final(chunks[-1]) and not decoder.is_final(chunks[-2])
+    delta = decoder.final_delta(decode_generate_response(chunks[-1], want_routing=False, want_top_p=False))
+    assert tokens + delta.token_ids.tolist() == orjson.loads(chunks[-1])["output_ids"]
     assert decoder.num_tokens == n
 
 

@@ -1,14 +1,14 @@
 """SGLang-compatible passthrough: bodies are forwarded as bytes, never parsed or re-serialized.
 
-This is the gateway's overhead on every plain SGLang call, so it is lean: raw ASGI over ``Upstream.forward``
-(a minimal HTTP/1.1 pool, not httpx), and ``PassthroughMiddleware`` serves these routes ahead of FastAPI's
+This is the gateway's overhead on every plain SGLang call, so it is lean: raw ASGI over ``Upstream.forward`` (the
+one upstream transport, see ``gateway.upstream``), and ``PassthroughMiddleware`` serves these routes ahead of FastAPI's
 exception, routing and dependency layers (~40 us a call). The routes are also registered on the router, which
 serves them when the middleware is not installed and answers 405 to other methods.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter
 from starlette.requests import ClientDisconnect, Request
@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import GatewayError
 from gateway.state import GatewayState
-from gateway.upstream import FORWARDED_REQUEST_HEADERS, ROUTING_KEY_HEADER, RawResponse
+from gateway.upstream import FORWARDED_REQUEST_HEADERS, ROUTING_KEY_HEADER
 
 SESSION_HEADER = "x-session-id"
 POST_PATHS = ("/generate", "/abort_request", "/flush_cache")
@@ -87,23 +87,15 @@ class Forward:
         if media_type and media_type.startswith("text/event-stream"):
             # Each upstream event reaches the client as it arrives; the upstream response is closed when the
             # client's stream ends, normally or not.
-            return StreamingResponse(_relay(response), status_code=response.status, media_type=media_type)
+            relay = state.upstream.relay(response)
+            return StreamingResponse(relay, status_code=response.status, media_type=media_type)
         try:
-            content = await response.read()
+            content = await state.upstream.read(response)
         finally:
             await response.aclose()
-        # A big body arrives as an mmap (see ``RawResponse.read``); a view of it is sent without a copy.
+        # A big body arrives in a pooled buffer (an mmap, see ``slime_wire.http1``); a view of it is sent as is.
         body = content if isinstance(content, bytes) else memoryview(content)
         return Response(body, status_code=response.status, media_type=media_type)
-
-
-async def _relay(response: RawResponse) -> AsyncIterator[bytes]:
-    """Upstream bytes as they arrive; the upstream response is closed however the client's stream ends."""
-    try:
-        async for chunk in response.iter_raw():
-            yield chunk
-    finally:
-        await response.aclose()
 
 
 ROUTES: dict[str, Forward] = {

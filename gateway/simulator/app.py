@@ -82,7 +82,7 @@ class _Running:
             return True
         try:
             await asyncio.wait_for(self.event.wait(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return True
         return False
 
