@@ -9,7 +9,8 @@ framing, keep-alive. What this module adds is what a pool is for, with the rules
 - A pooled connection is reused only when it is quiet: no byte and no end-of-stream waits in its socket (an
   upstream that closed it, or sent something nobody asked for, is noticed before the request is written, and the
   request goes out on a fresh connection instead). A request is sent again only when it cannot have reached the
-  server, or when it is idempotent (GET, PUT, DELETE) and its reused connection died before any byte of an answer.
+  server (its connection ended before any answer, with bytes of the request never acknowledged by the server's TCP
+  stack), or when it is idempotent (GET, PUT, DELETE) and its reused connection died before any byte of an answer.
 - Any byte llhttp refuses, an answer head over ``MAX_HEAD_BYTES``, or bytes after an answer that nobody asked for
   discard the connection (``ProtocolViolation``); its slot is always given back.
 
@@ -28,7 +29,9 @@ import asyncio
 import logging
 import mmap
 import select
+import socket
 import ssl
+import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -57,6 +60,11 @@ SPARE_BUFFER_BYTES = 1 << 28  # pooled body buffers kept for reuse, in all
 IDEMPOTENT_METHODS = frozenset({"GET", "OPTIONS", "PUT", "DELETE"})
 FRESH_CONNECTION_ATTEMPTS = 3  # connections that close before the request is written, in a row, before giving up
 _FORBIDDEN_IN_HEADERS = (b"\r", b"\n", b"\0")
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked, a u64 at this offset since Linux 4.1
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_TCP_INFO_BYTES_ACKED = 120
+_TCP_INFO_BYTES = 192
+_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")  # RFC 9110
 
 Body = bytes | mmap.mmap
 
@@ -223,6 +231,9 @@ class ConnectionPool:
         if method == "HEAD":
             # llhttp cannot be told that an answer to HEAD has no body (httptools gives no way to skip it); send GET
             raise ValueError("HEAD is not supported: send GET and drop the body")
+        if not method or not _TOKEN_CHARS.issuperset(method):
+            # a method is a token: one with a space or a line break would smuggle a request line of its own
+            raise ValueError(f"refusing a method that is not a token: {method!r}")
         for name, value in headers:
             if any(bad in name or bad in value for bad in _FORBIDDEN_IN_HEADERS) or b":" in name or not name:
                 raise ValueError(f"refusing a header that is not a single line: {name!r}")
@@ -279,15 +290,23 @@ class Response:
         """The whole body: bytes, or for a big one a pooled buffer (``BodyBuffers``; give it back once done)."""
         exchange = self._exchange
         length = exchange.content_length
-        if length is not None and length >= BIG_BODY_BYTES:
-            exchange.collect_into(self._pool.buffers.take(length))
         try:
+            if length is not None and length >= BIG_BODY_BYTES:
+                exchange.collect_into(self._take_buffer(length))
             body = await exchange.body()
         except BaseException:
             await self.aclose()
             raise
         self._release(reuse=True)
         return body
+
+    def _take_buffer(self, length: int) -> mmap.mmap:
+        # A Content-Length no map can hold (llhttp accepts up to 2**64 - 1) made ``read`` raise OSError or
+        # OverflowError, which is no TransportError, before the try that gives the slot back.
+        try:
+            return self._pool.buffers.take(length)
+        except (OSError, OverflowError, MemoryError) as exc:
+            raise ProtocolViolation(f"a Content-Length of {length} bytes cannot be buffered ({exc})") from None
 
     async def iter_raw(self) -> AsyncIterator[bytes]:
         """The body as it arrives (chunked framing removed), in pieces of at most ``RECEIVE_BUFFER_BYTES``."""
@@ -442,11 +461,15 @@ class _Connection(asyncio.BufferedProtocol):
         self._parser = httptools.HttpResponseParser(self)
         self._exchange: _Exchange | None = None
         self._headers: list[tuple[bytes, bytes]] = []
-        self._head_bytes = 0
+        self._head_bytes = 0  # bytes received while the head is incomplete (catches a head still arriving)
+        self._head_size = 0  # bytes of the status line and headers parsed (catches a head that came in one read)
         self._closed = False
         self._paused = False
         self._poisoned = False  # bytes arrived that no request asked for
+        self._bytes_written = 0
+        self._acked_at_start = 0  # the peer's acknowledged byte count once connected (the SYN counts as one)
         self.reused = False
+        self.request_undelivered = False  # the server closed it with bytes of the request never acknowledged
         self.idle_since = time.monotonic()
 
     # -- used by the pool
@@ -457,8 +480,9 @@ class _Connection(asyncio.BufferedProtocol):
             return None
         self.reused = self._exchange is not None
         self._exchange = exchange = _Exchange(self._loop, self, deadline)
-        self._headers, self._head_bytes = [], 0
+        self._headers, self._head_bytes, self._head_size = [], 0, 0
         transport.write(request)
+        self._bytes_written += len(request)
         return exchange
 
     def reusable(self) -> bool:
@@ -508,6 +532,7 @@ class _Connection(asyncio.BufferedProtocol):
     # -- asyncio protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        self._acked_at_start = self._peer_acked_bytes() or 0
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return memoryview(self._receive_buffer)
@@ -535,6 +560,13 @@ class _Connection(asyncio.BufferedProtocol):
             self._violation(exchange, f"the answer's status line and headers exceed {MAX_HEAD_BYTES} bytes")
 
     def eof_received(self) -> bool:
+        exchange = self._exchange
+        if exchange is not None and not exchange.complete and not exchange.bytes_received:
+            # The server's FIN acknowledges every byte its TCP stack had received when it closed: bytes of the
+            # request still unacknowledged had not arrived, so no application read the request. (A reset proves
+            # nothing of the kind: data read just before it may be unacknowledged, its ACK delayed and then lost.)
+            acked = self._peer_acked_bytes()
+            self.request_undelivered = acked is not None and acked < self._acked_at_start + self._bytes_written
         return False  # close the transport; connection_lost settles the exchange
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -551,13 +583,30 @@ class _Connection(asyncio.BufferedProtocol):
             detail = "the connection ended in the middle of the answer"
         exchange.fail(ConnectionLost(detail + (f" ({exc})" if exc else "")))
 
+    def _peer_acked_bytes(self) -> int | None:
+        """How many bytes the peer's TCP stack has acknowledged (Linux ``TCP_INFO``), None where unknown."""
+        sock = None if self._transport is None else self._transport.get_extra_info("socket")
+        if sock is None or _TCP_INFO is None:
+            return None
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_BYTES)
+        except OSError:
+            return None
+        if len(info) < _TCP_INFO_BYTES_ACKED + 8:
+            return None  # a kernel older than 4.1
+        return int.from_bytes(info[_TCP_INFO_BYTES_ACKED : _TCP_INFO_BYTES_ACKED + 8], sys.byteorder)
+
     # -- llhttp callbacks
     def on_message_begin(self) -> None:
         exchange = self._exchange
         if exchange is None or exchange.complete:
             self._poisoned = True  # a second answer to one request
 
+    def on_status(self, reason: bytes) -> None:
+        self._head_size += len(reason)
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4  # ": " and CRLF
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
@@ -567,7 +616,17 @@ class _Connection(asyncio.BufferedProtocol):
         status = self._parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             self._headers = []  # an interim answer (100 Continue, 103 Early Hints): the real one follows
-            self._head_bytes = 0
+            self._head_bytes = self._head_size = 0
+            return
+        if status == 101:
+            # httptools raises HttpParserUpgrade only after on_message_complete, when the exchange is complete and
+            # failing it does nothing: the caller got a 101 with an empty body. No request here asks to switch.
+            self._violation(exchange, "the upstream switched protocols, which no request asks for")
+            return
+        if self._head_size > MAX_HEAD_BYTES:
+            # counting received bytes alone (in buffer_updated) missed a head that completed within one read of up
+            # to RECEIVE_BUFFER_BYTES: a 200 KB head arriving at once was accepted
+            self._violation(exchange, f"the answer's status line and headers exceed {MAX_HEAD_BYTES} bytes")
             return
         exchange.on_head(status, self._parser.get_http_version(), self._headers)
 
@@ -589,9 +648,16 @@ class _Connection(asyncio.BufferedProtocol):
 
 
 def _may_resend(method: str, connection: _Connection, exchange: _Exchange) -> bool:
-    """A request whose reused connection died before any byte of an answer is sent once more only if it is
-    idempotent: the server may have read it before it closed, so a POST (a ``/generate``) may have run."""
-    return connection.reused and not exchange.bytes_received and method in IDEMPOTENT_METHODS
+    """Whether a request whose connection ended before any byte of an answer is sent once more.
+
+    Only when it cannot have run, or running it twice does no harm (RFC 9112 section 9.3.1): the server's FIN did not
+    acknowledge all of its bytes (the server had closed the connection before the request arrived, so no application
+    can have read it: the race of reusing a connection the server is closing at that moment), or the
+    method is idempotent and the connection was a reused one. A POST (a ``/generate``) the server received may
+    have run, so it is never sent again."""
+    if exchange.bytes_received:
+        return False
+    return connection.request_undelivered or (connection.reused and method in IDEMPOTENT_METHODS)
 
 
 def _first(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:

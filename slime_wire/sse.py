@@ -71,9 +71,13 @@ class SSEDecoder:
             if data[0] == 0x0A:
                 pos = 1
         events: list[SSEEvent] = []
+        # The next LF is searched for again only once a line end has passed it: searching afresh for every line
+        # rescanned the rest of the chunk per CR-ended line (quadratic in a chunk of many CR-ended lines).
+        lf = data.find(b"\n", pos)
         while pos < end:
             line_start = pos
-            lf = data.find(b"\n", pos)
+            if lf != -1 and lf < pos:
+                lf = data.find(b"\n", pos)
             cr = data.find(b"\r", pos, end if lf == -1 else lf)
             if cr != -1:
                 line_end, pos = cr, cr + 1
@@ -157,7 +161,12 @@ def _head(pieces: list[memoryview], size: int) -> bytes:
     """The first ``size`` bytes of a line kept as pieces (fewer if the line is shorter)."""
     if pieces and len(pieces[0]) >= size:
         return bytes(pieces[0][:size])
-    return b"".join(pieces)[:size]
+    head = bytearray()  # join only the pieces the head needs, not a whole (maybe 20 MB) line
+    for piece in pieces:
+        head += piece[: size - len(head)]
+        if len(head) >= size:
+            break
+    return bytes(head)
 
 
 def _drop_front(pieces: list[memoryview], count: int) -> list[memoryview]:
