@@ -479,6 +479,13 @@ class CumulativeStreamDecoder:
         self.full_parses += 1
         return self._delta_from_answer(answer), answer
 
+    def work_bytes(self, payload: AnswerBytes) -> int:
+        """How many of the chunk's bytes ``feed`` will parse: only the unseen ones on the fast path (a thread hop
+        for a cumulative chunk that adds a few tokens would cost more than parsing them)."""
+        if not self._fast:
+            return len(payload)
+        return max(0, len(payload) - self._list_bytes - self._text_bytes)
+
     def is_final(self, payload: AnswerBytes) -> bool:
         """Whether the chunk has a ``finish_reason`` that is not null (O(bytes since the key's last place))."""
         state = self._finish_state(payload)
@@ -578,6 +585,14 @@ def _escaped(payload: AnswerBytes, quote: int) -> bool:
     while quote - run - 1 >= 0 and payload[quote - run - 1] == 0x5C:
         run += 1
     return run % 2 == 1
+
+
+def answer_rid(answer: dict[str, Any] | None, payload: AnswerBytes) -> str | None:
+    """``meta_info.id`` of an answer or chunk: from its parsed form when there is one, else parsed from ``payload``."""
+    parsed = answer if answer is not None else _parse_json_object(payload)
+    meta = parsed.get("meta_info")
+    rid = meta.get("id") if isinstance(meta, dict) else None
+    return rid if isinstance(rid, str) else None
 
 
 def stream_error_payload(answer: dict[str, Any]) -> dict[str, Any] | None:

@@ -8,10 +8,10 @@ the caller's connection, so an abort, a cut client or a dying upstream always en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +21,11 @@ import orjson
 from gateway.buffers import GrowableArray
 from gateway.codec import (
     SSE_DONE,
+    AnswerBytes,
     CumulativeStreamDecoder,
     DecodedTurn,
     StreamDelta,
+    answer_rid,
     decode_answer,
     decode_generate_response,
     stream_error_payload,
@@ -41,6 +43,8 @@ TOP_P_FLAG = "return_top_p_token_ids"
 # After an abort, how long the upstream gets to end the stream itself (with its final chunk and replay data)
 # before the gateway closes the connection and folds what it has.
 ABORT_GRACE_S = 3.0
+# After a stream's final chunk, how long the rest of the body ([DONE], the last chunk of the framing) may take.
+STREAM_TAIL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +219,8 @@ class StreamTurn(TurnHandle):
         self.token_ids = GrowableArray(np.int32)
         self.log_probs = GrowableArray(np.float32)
         self.text_parts: list[str] = []
+        self._owner_checked = False  # whether the first non-final chunk's rid was checked (``_check_owner``)
+        self._pieces = state.upstream.relay(response)  # the upstream body; closing it closes the response
         self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         session.running = self
         self.task = asyncio.create_task(self._produce(), name=f"stream-{self.rid}")
@@ -242,8 +248,10 @@ class StreamTurn(TurnHandle):
         self.task.cancel()
 
     async def _produce(self) -> None:
+        folded = False
         try:
             summary = await self._consume()
+            folded = True
             self.events.put_nowait({"type": "turn", **summary})
         except asyncio.CancelledError:
             self.events.put_nowait({"type": "turn", **self._fold_partial(self.abort_reason or "gateway shutdown")})
@@ -258,30 +266,43 @@ class StreamTurn(TurnHandle):
             partial = self._fold_partial(error.message) if len(self.token_ids) else None
             self.events.put_nowait({"type": "error", "error": error.to_body()["error"], "turn": partial})
         finally:
-            await self.response.aclose()
             self.state.store.release(self.session)
             self.finished()
             self.events.put_nowait(None)
+            try:
+                if folded:
+                    await self._read_rest()
+            finally:
+                await self._pieces.aclose()
+                await self.response.aclose()
+
+    async def _read_rest(self) -> None:
+        """After the final chunk only ``[DONE]`` and the end of the body remain: read them, so that the connection
+        goes back to the pool rather than being closed (a new connection per streamed turn piles up sockets in
+        TIME_WAIT). An upstream that does not end the body soon is cut: the turn is folded already."""
+        with contextlib.suppress(TimeoutError, GatewayError):
+            async with asyncio.timeout(STREAM_TAIL_S):
+                async for _ in self._pieces:
+                    pass
 
     async def _consume(self) -> dict[str, Any]:
         upstream = self.state.upstream
         # The final event (tens of MB of routing) is joined into a pooled buffer, given back once decoded.
         events = SSEDecoder(big_buffer=upstream.buffers.take)
-        async with aclosing(upstream.relay(self.response)) as pieces:
-            async for piece in pieces:
+        async for piece in self._pieces:
+            try:
+                payloads = [event.data for event in events.feed(piece)]
+            except SSEError as exc:
+                raise UpstreamProtocolError(f"unreadable upstream stream: {exc}") from exc
+            for payload in payloads:
+                if payload == SSE_DONE:
+                    break
                 try:
-                    payloads = [event.data for event in events.feed(piece)]
-                except SSEError as exc:
-                    raise UpstreamProtocolError(f"unreadable upstream stream: {exc}") from exc
-                for payload in payloads:
-                    if payload == SSE_DONE:
-                        break
-                    try:
-                        summary = await self._on_chunk(payload)
-                    finally:
-                        upstream.recycle(payload)
-                    if summary is not None:
-                        return summary
+                    summary = await self._on_chunk(payload)
+                finally:
+                    upstream.recycle(payload)
+                if summary is not None:
+                    return summary
         raise UpstreamError("upstream stream ended without a final chunk")
 
     async def _on_chunk(self, payload: bytes) -> dict[str, Any] | None:
@@ -290,12 +311,15 @@ class StreamTurn(TurnHandle):
             check_answer_belongs(self.plan, turn)
             self._take(self.decoder.final_delta(turn))
             return fold(self.state, self.session, self.plan, turn)
-        delta, answer = await self.state.decode("stream_chunk", len(payload), lambda: self.decoder.feed(payload))
+        work = self.decoder.work_bytes(payload)
+        delta, answer = await self.state.decode("stream_chunk", work, lambda: self.decoder.feed(payload))
         if answer is not None and (error := stream_error_payload(answer)) is not None:
             raise UpstreamError(
                 f"upstream reported an error in the stream: {error.get('message', error)}",
                 upstream_code=error.get("code"),
             )
+        if not self._owner_checked:
+            self._check_owner(payload, answer)
         self._take(delta)
         meta = None if answer is None else answer.get("meta_info")
         if not isinstance(meta, dict) or meta.get("finish_reason") is None:
@@ -304,6 +328,19 @@ class StreamTurn(TurnHandle):
         turn = decode_answer(answer, want_routing=self.plan.want_routing, want_top_p=self.plan.want_top_p)  # type: ignore[arg-type]
         check_answer_belongs(self.plan, turn)
         return fold(self.state, self.session, self.plan, turn)
+
+    def _check_owner(self, payload: AnswerBytes, answer: dict[str, Any] | None) -> None:
+        """The first chunk says whose stream this is. Without this check a foreign stream (a late answer on a reused
+        connection) reached the caller as deltas until its final chunk was refused, and one cut before its final
+        chunk (upstream death, abort) was folded as this turn's partial tokens. One full parse of one small chunk
+        (the big replay arrays come in the final chunk, checked by ``check_answer_belongs``)."""
+        self._owner_checked = True
+        rid = answer_rid(answer, payload)
+        if rid is not None and rid != self.plan.rid:
+            raise UpstreamProtocolError(
+                f"the upstream streamed for request {rid!r}, not for this turn's {self.plan.rid!r}",
+                reason="foreign_answer",
+            )
 
     def _decode_final(self, payload: bytes) -> DecodedTurn:
         return decode_generate_response(payload, want_routing=self.plan.want_routing, want_top_p=self.plan.want_top_p)

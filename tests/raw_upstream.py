@@ -7,14 +7,15 @@
         assert upstream.requests[-1].path == "/generate"
 
 A reply is a list of steps, run in order on the request's connection: ``bytes`` are written, a ``float`` is slept,
-``CLOSE`` closes the connection (``RESET`` aborts it with a TCP reset). Requests are parsed with llhttp (httptools),
-so the fake itself never misreads what the gateway sends.
+``CLOSE`` closes the connection at once (``RESET`` aborts it with a TCP reset). Requests are parsed with llhttp
+(httptools), so the fake itself never misreads what the gateway sends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import socket
 import struct
 import threading
@@ -161,17 +162,24 @@ class RawUpstream:
     @staticmethod
     async def _run(steps: list[Step], writer: asyncio.StreamWriter) -> bool:
         """Run a reply's steps; False once the connection is closed."""
-        for step in steps:
+        sock = writer.get_extra_info("socket")
+        for number, step in enumerate(steps):
             if isinstance(step, bytes):
+                if steps[number + 1 : number + 2] == [CLOSE]:
+                    # Bytes and the close that follows them leave together, as from a server that closes in the
+                    # same breath: this thread can lose the GIL between two syscalls for milliseconds, which a
+                    # server process of its own does not.
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
                 writer.write(step)
                 await writer.drain()
             elif isinstance(step, float | int):
                 await asyncio.sleep(step)
             elif step == CLOSE:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # now, not at this thread's next loop turn (writer.close)
                 writer.close()
                 return False
             elif step == RESET:
-                sock = writer.get_extra_info("socket")
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 writer.transport.abort()
                 return False
