@@ -25,6 +25,7 @@ import orjson
 
 from slime_client.errors import GatewayResponseError, make_status_error, make_stream_error, translate_transport_error
 from slime_client.types import TurnResult
+from slime_wire.sse import SSEDecoder
 
 if TYPE_CHECKING:
     from slime_client.client import GatewayClient
@@ -106,20 +107,15 @@ class TurnStream:
 
 
 async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
-    """``data:`` payloads as JSON objects; ``None`` for ``[DONE]``."""
-    buffer = bytearray()
+    """``data:`` payloads as JSON objects; ``None`` for ``[DONE]``. The SSE framing is ``slime_wire.sse``, which
+    scans each byte once (a rescan of the buffer per read would be quadratic in an event's size)."""
+    events = SSEDecoder()
     async for chunk in response.aiter_raw():
-        buffer.extend(chunk)
-        while (end := buffer.find(b"\n\n")) != -1:
-            event, buffer = bytes(buffer[:end]), buffer[end + 2 :]
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == SSE_DONE:
-                    yield None
-                    return
-                try:
-                    yield orjson.loads(payload)
-                except orjson.JSONDecodeError as exc:
-                    raise GatewayResponseError(f"unreadable stream event: {payload[:80]!r}") from exc
+        for event in events.feed(chunk):
+            if event.data == SSE_DONE:
+                yield None
+                return
+            try:
+                yield orjson.loads(event.data)
+            except orjson.JSONDecodeError as exc:
+                raise GatewayResponseError(f"unreadable stream event: {bytes(event.data[:80])!r}") from exc

@@ -14,9 +14,8 @@ import pytest
 from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway, run_simulator
 from safetensors.numpy import load as load_safetensors
 
-from slime_wire.sse import SSEDecoder
-
 from gateway.codec import CumulativeStreamDecoder, decode_generate_response
+from slime_wire.sse import SSEDecoder
 
 TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
 TOKEN_DELAY_MS = 4
