@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from gateway.app import create_app
 from gateway.config import Settings
+from slime_wire.memory import keep_freed_memory
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, object]:
@@ -37,6 +38,7 @@ def load_settings(overrides: dict[str, object]) -> Settings:
 def main(argv: list[str] | None = None) -> None:
     settings = load_settings(parse_args(argv))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_freed_memory()  # answers of tens of MB are received and decoded in mapped pages (see slime_wire.memory)
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from slime_wire.memory import keep_freed_memory
+
 from .app import create_app
 from .engine import SimulatorConfig
 
@@ -93,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"invalid simulator configuration: {exc}")
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logger.setLevel(logging.INFO)
+    keep_freed_memory()  # its answers are tens of MB: built in mapped pages, not faulted in afresh each time
     config = uvicorn.Config(create_app(sim), host=args.host, port=args.port, log_level="warning", access_log=False)
     server = _Server(config, sim)
     # uvicorn.Config configured uvicorn's loggers just now; the filter must go on after that.
