@@ -349,6 +349,7 @@ class _Exchange:
         self._queued = 0
         self._sink: mmap.mmap | None = None
         self._sink_filled = 0
+        self._sink_received = 0  # bytes the event loop received straight into the sink, not yet seen by llhttp
         self._waiter: asyncio.Future[None] | None = None
         self._timer = loop.call_at(deadline, self._expire)
 
@@ -410,6 +411,10 @@ class _Exchange:
         self._wake()
 
     def on_body(self, piece: bytes) -> None:
+        if self._sink_received:  # llhttp read these bytes where they already are
+            self._sink_received -= len(piece)
+            self._sink_filled += len(piece)
+            return
         if self._sink is not None:
             self._copy_to_sink(piece)
             return
@@ -429,6 +434,20 @@ class _Exchange:
             self.error = error
         self._timer.cancel()
         self._wake()
+
+    def sink_space(self, most: int) -> memoryview | None:
+        """Where the next read may go straight into the body's buffer (never past its end), or None."""
+        sink = self._sink
+        if sink is None or self.complete or self.error is not None:
+            return None
+        free = len(sink) - self._sink_filled
+        return memoryview(sink)[self._sink_filled : self._sink_filled + min(free, most)] if free > 0 else None
+
+    def received_into_sink(self, nbytes: int) -> memoryview:
+        """``nbytes`` arrived at the sink's free end: llhttp reads them there (and hands them to ``on_body``)."""
+        assert self._sink is not None
+        self._sink_received = nbytes
+        return memoryview(self._sink)[self._sink_filled : self._sink_filled + nbytes]
 
     def _copy_to_sink(self, piece: bytes) -> None:
         sink = self._sink
@@ -464,6 +483,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._head_bytes = 0  # bytes received while the head is incomplete (catches a head still arriving)
         self._head_size = 0  # bytes of the status line and headers parsed (catches a head that came in one read)
         self._closed = False
+        self._into_sink = False  # where the last get_buffer pointed
         self._paused = False
         self._poisoned = False  # bytes arrived that no request asked for
         self._bytes_written = 0
@@ -535,7 +555,12 @@ class _Connection(asyncio.BufferedProtocol):
         self._acked_at_start = self._peer_acked_bytes() or 0
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return memoryview(self._receive_buffer)
+        # A big body being read whole is received straight into its buffer (llhttp then reads it there); anything
+        # else goes through the pool's receive buffer, which llhttp empties in buffer_updated.
+        exchange = self._exchange
+        direct = None if exchange is None else exchange.sink_space(RECEIVE_BUFFER_BYTES)
+        self._into_sink = direct is not None
+        return memoryview(self._receive_buffer) if direct is None else direct
 
     def buffer_updated(self, nbytes: int) -> None:
         exchange = self._exchange
@@ -546,8 +571,9 @@ class _Connection(asyncio.BufferedProtocol):
         exchange.bytes_received += nbytes
         if not exchange.head_complete:
             self._head_bytes += nbytes
+        received = exchange.received_into_sink(nbytes) if self._into_sink else memoryview(self._receive_buffer)[:nbytes]
         try:
-            self._parser.feed_data(memoryview(self._receive_buffer)[:nbytes])
+            self._parser.feed_data(received)
         except httptools.HttpParserUpgrade:
             self._violation(exchange, "the upstream switched protocols")
         except httptools.HttpParserError as exc:
