@@ -712,8 +712,6 @@ def close_after_answering(announced: bool) -> Build:
     return build
 
 
-
-
 @pytest.mark.parametrize(
     ("mode", "announced"),
     [

@@ -42,7 +42,7 @@ REQUEST_LOG_SIZE = 200
 # Answers with more elements than this are built in a worker thread so /health and aborts stay responsive.
 OFFLOAD_ELEMENTS = 1 << 20
 CUT_AFTER_CHUNKS = 2  # stream faults let this many chunks through first
-DONE_EVENT = b"data: [DONE]\n\n"
+DONE_EVENT = (b"data: [DONE]\n\n",)
 JSON = "application/json"
 _INVALID = object()  # marks a body that is not JSON
 
@@ -97,9 +97,18 @@ async def _watch_disconnect(receive: Receive, runs: Iterable[_Running]) -> None:
             return
 
 
-def _sse(obj: Any) -> bytes:
-    # one join, not two concatenations: a final chunk is ~20 MB, and each + copies it whole
-    return b"".join((b"data: ", orjson.dumps(obj), b"\n\n"))
+# An SSE event as the pieces it is sent in. A final chunk is ~20 MB: it goes as prefix, JSON, blank line, since
+# joining them would copy it once more on top of the copy the ASGI server makes to frame it as an HTTP chunk;
+# smaller events are joined (each piece costs a trip through the ASGI stack and a write).
+Event = tuple[bytes, ...]
+JOIN_EVENTS_BELOW = 1 << 20
+
+
+def _sse(obj: Any) -> Event:
+    payload = orjson.dumps(obj)
+    if len(payload) < JOIN_EVENTS_BELOW:
+        return (b"data: %b\n\n" % payload,)
+    return (b"data: ", payload, b"\n\n")
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -140,7 +149,7 @@ def _prompt_lengths(value: Any, batch_depth: int) -> int | list[int] | None:
     return len(value)
 
 
-async def _one_shot(events: list[bytes]) -> AsyncGenerator[bytes | None, None]:
+async def _one_shot(events: list[Event]) -> AsyncGenerator[Event | None, None]:
     for event in events:
         yield event
 
@@ -148,7 +157,7 @@ async def _one_shot(events: list[bytes]) -> AsyncGenerator[bytes | None, None]:
 class _EventStream(Response):
     """An SSE response fed by an async generator; a `None` event drops the connection (cut_stream fault)."""
 
-    def __init__(self, events: AsyncGenerator[bytes | None, None], run: _Running | None) -> None:
+    def __init__(self, events: AsyncGenerator[Event | None, None], run: _Running | None) -> None:
         self.status_code = 200
         self.background = None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
@@ -165,7 +174,8 @@ class _EventStream(Response):
             async for event in self._events:
                 if event is None or self._gone():
                     return  # an unfinished response makes the server close the connection
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+                for piece in event:
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
@@ -293,7 +303,8 @@ class Simulator:
             m, aborted = gen.n // 2, True
         finish = ABORT_FINISH if aborted else gen.plan.finish
         try:
-            return await self._build(gen, m, finish, started, sse=False)
+            (body,) = await self._build(gen, m, finish, started, sse=False)
+            return body
         finally:
             self._finish(gen, m, aborted, run.disconnected)
 
@@ -316,7 +327,7 @@ class Simulator:
 
     async def _events(
         self, gen: Generation, run: _Running, mode: str | None, started: float
-    ) -> AsyncGenerator[bytes | None, None]:
+    ) -> AsyncGenerator[Event | None, None]:
         """Cumulative chunks paced like token generation, then the final chunk and [DONE]."""
         cfg = self.config
         per_token = cfg.token_delay_ms / 1000
@@ -352,14 +363,15 @@ class Simulator:
             self._finish(gen, m, aborted, run.disconnected)
 
     @staticmethod
-    def _maybe_malformed(event: bytes, mode: str | None, sent: int) -> bytes:
+    def _maybe_malformed(event: Event, mode: str | None, sent: int) -> Event:
         """The malformed_json fault in a stream: the first event's JSON is cut in half."""
         if mode == "malformed_json" and sent == 0:
-            return event[: len(event) // 2] + b"\n\n"
+            whole = b"".join(event)
+            return (whole[: len(whole) // 2] + b"\n\n",)
         return event
 
     @staticmethod
-    def _broken_ending(mode: str) -> list[bytes | None]:
+    def _broken_ending(mode: str) -> list[Event | None]:
         if mode == "cut_stream":
             return [None]
         return [_sse({"error": {"message": "simulated stream error", "code": 500}}), DONE_EVENT]
@@ -373,12 +385,13 @@ class Simulator:
         self.stats.items += 1
         return gen
 
-    async def _build(self, gen: Generation, m: int, finish: dict[str, Any], started: float, *, sse: bool) -> bytes:
+    async def _build(self, gen: Generation, m: int, finish: dict[str, Any], started: float, *, sse: bool) -> Event:
+        """The final answer, as the pieces it is sent in (one when it is not streamed)."""
         e2e = time.perf_counter() - started
 
-        def build() -> bytes:
+        def build() -> Event:
             answer = gen.final(m, finish, e2e, streamed=sse)
-            return _sse(answer) if sse else orjson.dumps(answer)
+            return _sse(answer) if sse else (orjson.dumps(answer),)
 
         if gen.payload_size(m) > OFFLOAD_ELEMENTS:
             return await asyncio.to_thread(build)
