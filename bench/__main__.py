@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     suite = QUICK if args.quick else FULL
     rows = select(args.rows)
-    ctx = Context(suite=suite, services=Services(suite.moe))
+    ctx = Context(suite=suite, services=Services(suite.moe, suite.stream_turn.chunk_tokens))
     # As the gateway does at startup (gateway/app.py): the objects alive now (torch, numpy, the modules) stay out of
     # the collector's way, so a full collection triggered by a decode costs both sides microseconds, not ~25 ms.
     gc.freeze()

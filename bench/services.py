@@ -110,11 +110,13 @@ class Services:
     """Lazily started processes: ``services.simulator``, ``services.gateway``, ``services.gateway_full_routing``."""
 
     moe: MoE
+    stream_chunk_tokens: int = 1
     _running: dict[str, ServerProcess] = field(default_factory=dict)
 
     @property
     def simulator(self) -> ServerProcess:
-        return self._get("simulator", ["-m", "gateway.simulator", *simulator_args(self.moe)])
+        args = [*simulator_args(self.moe), "--stream-chunk-tokens", str(self.stream_chunk_tokens)]
+        return self._get("simulator", ["-m", "gateway.simulator", *args])
 
     @property
     def gateway(self) -> ServerProcess:

@@ -103,6 +103,24 @@ class StreamShape:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamTurnShape:
+    """Row 9: one big MoE turn, streamed with a cumulative chunk every ``chunk_tokens`` tokens, vs unary."""
+
+    prompt_tokens: int = 2_048
+    response_tokens: int = 8_192
+    chunk_tokens: int = 64
+    rounds: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveShape:
+    """Row 10: body sizes received from a canned server, and how many samples of each side."""
+
+    sizes: tuple[int, ...] = (4 << 20, 20 << 20)
+    rounds: int = 5
+
+
+@dataclass(frozen=True, slots=True)
 class Suite:
     """Every size the rows use. ``FULL`` is the realistic shape; ``QUICK`` keeps the smoke test fast."""
 
@@ -115,6 +133,8 @@ class Suite:
     event_loop: EventLoopShape
     memory: MemoryShape
     stream: StreamShape
+    stream_turn: StreamTurnShape
+    receive: ReceiveShape
 
     @property
     def moe(self) -> MoE:
@@ -131,6 +151,8 @@ FULL = Suite(
     event_loop=EventLoopShape(AnswerShape(prompt_tokens=2_000, response_tokens=8_000)),
     memory=MemoryShape(sessions=1_000, prompt_tokens=1_024, response_tokens=3_072),
     stream=StreamShape(),
+    stream_turn=StreamTurnShape(),
+    receive=ReceiveShape(),
 )
 
 QUICK = Suite(
@@ -143,6 +165,8 @@ QUICK = Suite(
     event_loop=EventLoopShape(AnswerShape(prompt_tokens=128, response_tokens=512), concurrent_turns=2, waves=1),
     memory=MemoryShape(sessions=20, prompt_tokens=256, response_tokens=768),
     stream=StreamShape(lengths=(256, 1_024), repeat=1),
+    stream_turn=StreamTurnShape(prompt_tokens=256, response_tokens=1_024, rounds=2),
+    receive=ReceiveShape(sizes=(1 << 20,), rounds=2),
 )
 
 

@@ -13,8 +13,10 @@ from bench.rows import (
     memory,
     passthrough,
     routing_traffic,
+    stream_turn,
     streaming,
     trainer_bytes,
+    upstream_receive,
 )
 
 
@@ -38,4 +40,6 @@ ROWS: tuple[Row, ...] = (
     _row(6, event_loop),
     _row(7, memory),
     _row(8, streaming),
+    _row(9, stream_turn),
+    _row(10, upstream_receive),
 )
