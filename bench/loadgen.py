@@ -1,10 +1,10 @@
 """A lean HTTP/1.1 load generator, run in its own process.
 
-``python -m bench.loadgen --url URL --body-file F --concurrency C --requests N``: keep-alive connections over
-asyncio streams (uvloop), one request in flight per connection, the same prepared POST every time. Its CPU cost
-per request is the same whichever server it targets, and far below httpx's, so the measured difference between
-two targets is the targets'. Prints ``{"requests", "seconds", "rps", "latencies_ms": [...]}`` for the timed phase
-(after a warm-up).
+``python -m bench.loadgen --url URL --body-file F --concurrency C --requests N``: C callers, each sending the same
+prepared POST one after the other over ``slime_wire.http1`` keep-alive connections (uvloop; llhttp parses the
+answers). Its CPU cost per request is the same whichever server it targets, and far below httpx's, so the measured
+difference between two targets is the targets'. Prints ``{"requests", "seconds", "rps", "latencies_ms": [...]}``
+for the timed phase (after a warm-up).
 
 ``python -m bench.loadgen --url URL --probe-interval S``: a prober: GET the URL every S seconds on one connection
 until SIGTERM (or ``--max-seconds``), then print ``{"probes": [[monotonic start, latency ms], ...]}``.
@@ -24,59 +24,48 @@ from urllib.parse import urlsplit
 import orjson
 import uvloop
 
+from slime_wire.http1 import ConnectionPool
+
 
 class HTTPError(RuntimeError):
     pass
 
 
-def build_request(host: str, port: int, path: str, body: bytes) -> bytes:
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
+JSON = [(b"content-type", b"application/json")]
+TIMEOUT_S = 60.0
 
 
-def build_get(host: str, port: int, path: str) -> bytes:
-    return f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
-
-
-def content_length(head: bytes) -> int:
-    at = head.lower().find(b"\r\ncontent-length:")
-    if at == -1:
-        raise HTTPError(f"answer without Content-Length: {head[:200]!r}")
-    end = head.find(b"\r\n", at + 2)
-    return int(head[at + 17 : end])
-
-
-async def one_connection(host: str, port: int, request: bytes, count: int, latencies: list[float]) -> None:
-    reader, writer = await asyncio.open_connection(host, port)
+async def call(pool: ConnectionPool, method: str, path: bytes, body: bytes) -> None:
+    response = await pool.request(method, path, JSON if body else [], body, timeout=TIMEOUT_S)
     try:
-        for _ in range(count):
-            started = time.perf_counter()
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            await reader.readexactly(content_length(head))
-            latencies.append(time.perf_counter() - started)
-            if head[9:12] != b"200":
-                raise HTTPError(f"status {head[9:12].decode()}: {head[:200]!r}")
+        await response.read()
     finally:
-        writer.close()
+        await response.aclose()
+    if response.status != 200:
+        raise HTTPError(f"{method} {path.decode()} answered {response.status}")
+
+
+async def one_caller(pool: ConnectionPool, path: bytes, body: bytes, count: int, latencies: list[float]) -> None:
+    for _ in range(count):
+        started = time.perf_counter()
+        await call(pool, "POST", path, body)
+        latencies.append(time.perf_counter() - started)
 
 
 async def load(url: str, body: bytes, concurrency: int, requests: int, warmup: int) -> dict[str, object]:
     parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    request = build_request(host, port, parts.path or "/", body)
-    per_connection = max(1, requests // concurrency)
+    base, path = f"{parts.scheme}://{parts.netloc}", (parts.path or "/").encode()
+    pool = ConnectionPool(base, max_connections=concurrency, connect_timeout_s=5.0, pool_timeout_s=TIMEOUT_S)
+    per_caller = max(1, requests // concurrency)
     warm: list[float] = []
     await asyncio.gather(
-        *(one_connection(host, port, request, max(1, warmup // concurrency), warm) for _ in range(concurrency))
+        *(one_caller(pool, path, body, max(1, warmup // concurrency), warm) for _ in range(concurrency))
     )
     latencies: list[float] = []
     started = time.perf_counter()
-    await asyncio.gather(*(one_connection(host, port, request, per_connection, latencies) for _ in range(concurrency)))
+    await asyncio.gather(*(one_caller(pool, path, body, per_caller, latencies) for _ in range(concurrency)))
     seconds = time.perf_counter() - started
+    await pool.aclose()
     return {
         "requests": len(latencies),
         "seconds": seconds,
@@ -87,26 +76,22 @@ async def load(url: str, body: bytes, concurrency: int, requests: int, warmup: i
 
 async def probe(url: str, interval_s: float, max_seconds: float) -> dict[str, object]:
     parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    request = build_get(host, port, parts.path or "/")
+    base, path = f"{parts.scheme}://{parts.netloc}", (parts.path or "/").encode()
+    pool = ConnectionPool(base, max_connections=1, connect_timeout_s=5.0, pool_timeout_s=TIMEOUT_S)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.call_later(max_seconds, stop.set)
     probes: list[list[float]] = []
-    reader, writer = await asyncio.open_connection(host, port)
+    await call(pool, "GET", path, b"")  # connected before "ready": the probes time requests, not the handshake
     print("ready", file=sys.stderr, flush=True)
-    try:
-        while not stop.is_set():
-            started = time.monotonic()
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            await reader.readexactly(content_length(head))
-            probes.append([started, round((time.monotonic() - started) * 1e3, 4)])
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval_s)
-    finally:
-        writer.close()
+    while not stop.is_set():
+        started = time.monotonic()
+        await call(pool, "GET", path, b"")
+        probes.append([started, round((time.monotonic() - started) * 1e3, 4)])
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+    await pool.aclose()
     return {"probes": probes}
 
 
