@@ -37,13 +37,13 @@ $(ROUTERS_DIR)/%/.installed-stamp: Makefile
 
 routers: $(ROUTER_STAMPS)
 
-# Opt-in: a real SGLang engine (CPU, tiny MoE) from /work/shared/real-sglang; ~3 min and ~3 GB on first run.
-SGLANG_SHARED ?= ../shared/real-sglang
+# Opt-in: a real SGLang engine on the CPU serving a tiny MoE (scripts/real_sglang/), installed into SGLANG_DIR;
+# ~3 min and ~3 GB on the first run, seconds afterwards (setup.sh is idempotent).
 SGLANG_DIR ?= .sglang-cpu
 
 test-sglang: install
-	bash $(SGLANG_SHARED)/setup.sh $(SGLANG_DIR)
-	SGLANG_SHARED=$(abspath $(SGLANG_SHARED)) SGLANG_DIR=$(abspath $(SGLANG_DIR)) $(PY) -m pytest -m sglang tests/test_real_sglang.py
+	bash scripts/real_sglang/setup.sh $(SGLANG_DIR)
+	SGLANG_DIR=$(abspath $(SGLANG_DIR)) $(PY) -m pytest -m sglang tests/test_real_sglang.py
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,7 @@
 """The shapes every row runs on (full and ``--quick``) and the SGLang answers they are measured on.
 
 Answers come from the gateway's SGLang simulator (``gateway.simulator``), byte for byte what its ``/generate``
-sends: the same keys and encodings as SGLang 0.5 (PROTOCOL.md sections 1-2), top-p kept sets of 1-20 ids, routing
+sends: the same keys and encodings as SGLang 0.5 (docs/protocol.md sections 1-2), top-p kept sets of 1-20 ids, routing
 as base64 of int32 ``[prompt + response - 1, L, K]``.
 """
 

@@ -1,6 +1,18 @@
 #!/usr/bin/env bash
-# A Docker engine for the sidecar image on a machine that has no running daemon and no Docker Hub access
-# (see /work/shared/docker-here.md). Idempotent: every step is skipped when its result is already there.
+# A Docker engine for the sidecar image on a machine that has no running daemon and no Docker Hub access.
+# Idempotent: every step is skipped when its result is already there.
+#
+# Why each step is the way it is (all verified on such a machine):
+# - Debian's own packages (docker.io 20.10, docker-compose 1.29, debootstrap) install from the apt mirror the
+#   machine already has, where Docker's packages and Hub are out of reach.
+# - dockerd runs with --storage-driver=vfs (works on any file system, overlayfs may be unavailable inside a VM or
+#   container), --iptables=false and --bridge=none (no bridge networking): images are built and run with the host
+#   network, which is what the Makefile does (`docker build --network host`, `docker run --network host`).
+# - No base image can be pulled, so a minimal Debian with python3 is built with debootstrap from the same mirror
+#   (~1 min, ~300 MB) and imported as LOCAL_BASE_IMAGE; the Dockerfile takes its base as an ARG, so real users keep
+#   python:3.11-slim. The image is built from wheels made on the host (`make image`), so pip inside the build needs
+#   neither the network nor the host's CA certificates, and with the classic builder (DOCKER_BUILDKIT=0), since
+#   Debian's docker.io comes without BuildKit/buildx.
 #
 #   scripts/docker_engine.sh [up]     install docker.io/docker-compose/debootstrap if missing, start dockerd if
 #                                     `docker info` does not answer, build + import the base image if missing

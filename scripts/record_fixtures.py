@@ -3,7 +3,7 @@
     .venv/bin/python scripts/record_fixtures.py                 # starts the engine of `make test-sglang` itself
     .venv/bin/python scripts/record_fixtures.py --url http://127.0.0.1:18300   # an engine already running
 
-The engine is the CPU build from ../shared/real-sglang (setup.sh: SGLang 0.5.23, a tiny random Qwen3-MoE with
+The engine is the CPU build of scripts/real_sglang/ (setup.sh: SGLang 0.5.23, a tiny random Qwen3-MoE with
 2 layers, 8 experts, top-2, a 512-token vocabulary) started with --enable-return-routed-experts.
 tests/test_sim_fidelity.py compares the simulator's answers with these recordings (keys, types, encodings,
 SSE framing), so the simulator can be checked in `make test` without an engine.
@@ -33,7 +33,7 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO_ROOT / "tests" / "fixtures" / "sglang"
-SHARED = Path(os.environ.get("SGLANG_SHARED", REPO_ROOT.parent / "shared" / "real-sglang"))
+SCRIPTS = REPO_ROOT / "scripts" / "real_sglang"
 ENGINE_DIR = Path(os.environ.get("SGLANG_DIR", REPO_ROOT / ".sglang-cpu"))
 READY_TIMEOUT_S = 180.0
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # token ids of the tiny 512-token vocabulary
@@ -52,7 +52,7 @@ def free_port() -> int:
 def running_engine() -> Iterator[str]:
     """Start run.sh on a free port, wait for /health, yield the URL, stop it (its log is shown if it fails)."""
     port = free_port()
-    args = ["bash", str(SHARED / "run.sh"), str(ENGINE_DIR), str(port), "--enable-return-routed-experts"]
+    args = ["bash", str(SCRIPTS / "run.sh"), str(ENGINE_DIR), str(port), "--enable-return-routed-experts"]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
@@ -105,7 +105,7 @@ def model_shape(url: str) -> dict[str, Any]:
         "topk": config.get("num_experts_per_tok", 2),
         "num_experts": config.get("num_experts") or config.get("num_local_experts", 8),
         "vocab_size": config.get("vocab_size", 512),
-        "launch": "run.sh DIR PORT --enable-return-routed-experts (../shared/real-sglang)",
+        "launch": "scripts/real_sglang/run.sh DIR PORT --enable-return-routed-experts",
     }
 
 
@@ -169,7 +169,8 @@ def record_all(url: str, out_dir: Path) -> list[Path]:
             path = out_dir / f"{name}.json"
             path.write_text(json.dumps(fixture, indent=1) + "\n")
             written.append(path)
-            print(f"{path.relative_to(REPO_ROOT)}: {answer['status']} {answer['content_type']}")
+            shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path  # --out may be elsewhere
+            print(f"{shown}: {answer['status']} {answer['content_type']}")
     return written
 
 
@@ -181,8 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.url:
         record_all(args.url.rstrip("/"), args.out)
         return
-    if not (SHARED / "run.sh").exists() or not (ENGINE_DIR / "venv").exists():
-        sys.exit(f"no engine: run `make test-sglang` (or setup.sh {ENGINE_DIR}) first, or pass --url")
+    if not (ENGINE_DIR / "venv").exists():
+        sys.exit(f"no engine: run `make test-sglang` (or {SCRIPTS}/setup.sh {ENGINE_DIR}) first, or pass --url")
     with running_engine() as url:
         record_all(url, args.out)
 

@@ -124,7 +124,7 @@ class RolloutSample:
         return None if self.rollout_routed_experts is None else self.rollout_routed_experts.to(torch.int32)
 
     def check_invariants(self) -> None:
-        """PROTOCOL.md section 6 invariants; raises ``GatewayResponseError`` if the sample breaks them."""
+        """docs/protocol.md section 6.6 invariants; raises ``GatewayResponseError`` if the sample breaks them."""
         n = self.response_length
         problems = []
         if len(self.tokens) != self.prompt_length + n:

@@ -1,6 +1,6 @@
 """A test oracle: slime's Python-list fold (``Sample.append_response_tokens``), re-implemented minimally.
 
-Written from slime's semantics (PROTOCOL.md section 6), deliberately in slime's own style: plain Python lists
+Written from slime's semantics (docs/protocol.md section 6), deliberately in slime's own style: plain Python lists
 for tokens / loss mask / log-probs, torch tensors for the top-p spans and routed experts, the standard-library
 base64 decoder (not the gateway's pybase64), and mutation as it goes (slime validates some things only after
 it has already appended, so a failed call can leave this object half-updated: callers fold into a deep copy

@@ -80,7 +80,7 @@ def make_answer(
     top_p: tuple[Sequence[int], Sequence[int]] | None = None,
     top_p_keys: tuple[str, str] = ("top_p_token_ids", "top_p_token_offsets"),
 ) -> dict[str, Any]:
-    """A non-streamed SGLang ``/generate`` answer (PROTOCOL.md section 2)."""
+    """A non-streamed SGLang ``/generate`` answer (docs/protocol.md section 2)."""
     if log_probs is None:
         log_probs = [-0.125 * (i + 1) for i in range(len(token_ids))]
     meta: dict[str, Any] = {

@@ -1,9 +1,9 @@
 """The real engine tier (`make test-sglang`): the gateway in front of a real SGLang 0.5.23 server on CPU.
 
-The engine is the tiny random Qwen3-MoE of ../shared/real-sglang (2 layers, 8 experts, top-2, token ids < 512),
-installed into .sglang-cpu by setup.sh and started here by run.sh with --enable-return-routed-experts (about 35 s).
-Excluded from `make test` (pyproject addopts: -m 'not sglang ...'); `make test-sglang` runs `pytest -m sglang`.
-Set SGLANG_SHARED / SGLANG_DIR to use another checkout of real-sglang / another install folder.
+The engine is the tiny random Qwen3-MoE of scripts/real_sglang/ (2 layers, 8 experts, top-2, token ids < 512),
+installed into .sglang-cpu by its setup.sh and started here by its run.sh with --enable-return-routed-experts (about
+35 s). Excluded from `make test` (pyproject addopts: -m 'not sglang ...'); `make test-sglang` runs setup.sh, then
+`pytest -m sglang`. Set SGLANG_DIR to use another install folder.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from safetensors.numpy import load as load_safetensors
 
 pytestmark = pytest.mark.sglang
 
-SHARED = Path(os.environ.get("SGLANG_SHARED", REPO_ROOT.parent / "shared" / "real-sglang"))
+SCRIPTS = REPO_ROOT / "scripts" / "real_sglang"
 ENGINE_DIR = Path(os.environ.get("SGLANG_DIR", REPO_ROOT / ".sglang-cpu"))
 # ~35 s on an idle 2-core machine, a minute or two when the machine is busy.
 STARTUP_TIMEOUT_S = float(os.environ.get("SGLANG_STARTUP_TIMEOUT_S", "300"))
@@ -46,8 +46,6 @@ class Engine:
 
 
 def engine_unavailable_reason() -> str | None:
-    if not (SHARED / "run.sh").exists():
-        return f"no real-sglang scripts at {SHARED} (set SGLANG_SHARED)"
     if not (ENGINE_DIR / "venv" / "bin" / "python").exists() or not (ENGINE_DIR / "model" / "config.json").exists():
         return f"no engine installed in {ENGINE_DIR}: run `make test-sglang` (setup.sh, ~3 min, ~3 GB)"
     return None
@@ -60,7 +58,7 @@ def engine() -> Iterator[Engine]:
         pytest.skip(reason)
     config = json.loads((ENGINE_DIR / "model" / "config.json").read_text())
     port = free_port()
-    args = ["bash", str(SHARED / "run.sh"), str(ENGINE_DIR), str(port), "--enable-return-routed-experts"]
+    args = ["bash", str(SCRIPTS / "run.sh"), str(ENGINE_DIR), str(port), "--enable-return-routed-experts"]
     # SGLang's /health runs a one-token generation (about 1 s on a busy 2-core machine): polling it every 50 ms with
     # a 1 s timeout, as start_process does, piles up generations until the scheduler never catches up. So wait for
     # the HTTP server on the cheap /model_info, then poll /health slowly.

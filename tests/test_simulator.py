@@ -1,4 +1,4 @@
-"""The SGLang-protocol simulator, run as a real process on 127.0.0.1 (PROTOCOL.md sections 1-4)."""
+"""The SGLang-protocol simulator, run as a real process on 127.0.0.1 (docs/protocol.md sections 1-4)."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def stable(answer: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_answer(answer: dict[str, Any], prompt_len: int, max_new: int, start_len: int = 0) -> None:
-    """Keys, types and invariants of one non-streamed answer (PROTOCOL.md section 2)."""
+    """Keys, types and invariants of one non-streamed answer (docs/protocol.md section 2)."""
     meta = answer["meta_info"]
     ids = answer["output_ids"]
     assert isinstance(answer["text"], str)

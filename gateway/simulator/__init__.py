@@ -1,6 +1,6 @@
 """An SGLang-protocol simulator: a stand-in SGLang worker for tests, demos and benchmarks.
 
-Speaks PROTOCOL.md sections 1-4 (same keys, encodings, cumulative SSE, abort, errors) with a configurable MoE
+Speaks docs/protocol.md sections 1-4 (same keys, encodings, cumulative SSE, abort, errors) with a configurable MoE
 shape, latency and fault injection, deterministic from a seed. Independent of the rest of `gateway` on purpose,
 so it can stand in for SGLang anywhere.
 

@@ -1,4 +1,4 @@
-"""The simulator's HTTP face: SGLang's worker protocol (PROTOCOL.md sections 1-4) plus /sim/ test controls.
+"""The simulator's HTTP face: SGLang's worker protocol (docs/protocol.md sections 1-4) plus /sim/ test controls.
 
 Request flow for `POST /generate`: log the request, take the next queued fault, validate, then either
 - non-streaming: pace each prompt (latency + token delay, cut short by an abort or a client disconnect),

@@ -312,7 +312,7 @@ class Engine:
         """(ids, offsets) int32: 1..20 distinct ids per generated token, the sampled token first."""
         n = plan.n
         rng = np.random.default_rng([*plan.entropy, 1])
-        # Geometric sizes: median ~2 and a long tail, like real nucleus sets (PROTOCOL.md section 2).
+        # Geometric sizes: median ~2 and a long tail, like real nucleus sets (docs/protocol.md section 2.4).
         sizes = np.minimum(rng.geometric(0.4, size=n), min(20, self.config.vocab_size))
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])
