@@ -10,7 +10,8 @@ import uvicorn
 from pydantic import ValidationError
 
 from gateway.app import create_app
-from gateway.config import Settings
+from gateway.config import Settings, exposure_problem, is_loopback
+from gateway.connections import ConnectionGuard, fit_open_files_limit
 from slime_wire.memory import keep_freed_memory
 
 
@@ -22,6 +23,11 @@ def parse_args(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--log-level", help="critical|error|warning|info|debug (env GATEWAY_LOG_LEVEL)")
     parser.add_argument(
         "--request-timeout-s", type=float, help="deadline of one upstream call (env GATEWAY_REQUEST_TIMEOUT_S)"
+    )
+    parser.add_argument(
+        "--api-key",
+        help="key(s) callers must send as 'Authorization: Bearer KEY', comma-separated (env GATEWAY_API_KEY, "
+        "preferred: arguments are visible to every user of the machine in `ps`)",
     )
     args = parser.parse_args(argv)
     return {key: value for key, value in vars(args).items() if value is not None}
@@ -37,10 +43,21 @@ def load_settings(overrides: dict[str, object]) -> Settings:
 
 def main(argv: list[str] | None = None) -> None:
     settings = load_settings(parse_args(argv))
+    if problem := exposure_problem(settings):
+        sys.exit(f"gateway: {problem}")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.api_key is None and not is_loopback(settings.host):
+        logging.getLogger("gateway").warning(
+            "listening on %s WITHOUT authentication (GATEWAY_ALLOW_UNAUTHENTICATED)", settings.host
+        )
     keep_freed_memory()  # answers of tens of MB are received and decoded in mapped pages (see slime_wire.memory)
+    connections = ConnectionGuard(
+        max_connections=fit_open_files_limit(settings.max_client_connections, settings.max_connections),
+        header_timeout_s=settings.header_timeout_s,
+    )
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, connections),
+        http=connections.protocol_class(),  # uvicorn's httptools protocol + the head deadline and the cap
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

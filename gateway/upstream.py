@@ -37,8 +37,9 @@ if TYPE_CHECKING:
     from gateway.metrics import GatewayMetrics
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-# Request headers a passthrough forwards; everything else (host, content-length, ...) is the client's own.
-FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "authorization")
+# Request headers a passthrough forwards; everything else (host, content-length, ...) is the client's own. Never
+# ``authorization``: the caller's key is for the gateway; the upstream gets the gateway's own (``api_key``).
+FORWARDED_REQUEST_HEADERS = ("content-type", "accept")
 _ROUTING_KEY_BYTES = ROUTING_KEY_HEADER.encode()
 _JSON = (b"content-type", b"application/json")
 ABORT_TIMEOUT_S = 2.0
@@ -57,8 +58,13 @@ class Upstream:
         max_connections: int,
         keepalive_s: float,
         metrics: GatewayMetrics | None = None,
+        api_key: str | None = None,
     ) -> None:
+        """``api_key``: the upstream's own key (SGLang's ``--api-key``), sent as a bearer token on every request."""
         self.base_url = base_url
+        self._auth: tuple[tuple[bytes, bytes], ...] = (
+            ((b"authorization", b"Bearer " + api_key.encode()),) if api_key else ()
+        )
         self.timeout_s = timeout_s
         self.metrics = metrics
         self.buffers = BodyBuffers()
@@ -86,7 +92,7 @@ class Upstream:
         ``relay``; the caller closes it). HEAD goes upstream as GET: the ASGI server drops the body."""
         with self.translated():
             return await self.pool.request(
-                "GET" if method == "HEAD" else method, target, headers, body, timeout=self.timeout_s
+                "GET" if method == "HEAD" else method, target, [*headers, *self._auth], body, timeout=self.timeout_s
             )
 
     async def read(self, response: Response) -> Body:
@@ -138,7 +144,7 @@ class Upstream:
         """Best effort: SGLang workers abort a rid; routers have no such route (closing the connection aborts)."""
         try:
             response = await self.pool.request(
-                "POST", b"/abort_request", [_JSON], orjson.dumps({"rid": rid}), timeout=ABORT_TIMEOUT_S
+                "POST", b"/abort_request", [_JSON, *self._auth], orjson.dumps({"rid": rid}), timeout=ABORT_TIMEOUT_S
             )
             try:
                 await response.read()

@@ -16,15 +16,17 @@ slime users add ONE flag to use the gateway for rollouts (no code changes)::
 
     --custom-generate-function-path slime_client.slime.generate
 
-and say where the gateway is with the environment variable ``SLIME_GATEWAY_URL=http://HOST:PORT``
-(see ``slime_client.slime`` for the exact semantics). Errors: ``slime_client.errors`` (one tree, rooted at
-``GatewayError``); retries: ``slime_client._retry`` (only where sending again cannot double a turn).
+and say where the gateway is with the environment variable ``SLIME_GATEWAY_URL=http://HOST:PORT`` (and its key,
+if it has one, with ``SLIME_GATEWAY_API_KEY``; see ``slime_client.slime`` for the exact semantics). Errors:
+``slime_client.errors`` (one tree, rooted at ``GatewayError``); retries: ``slime_client._retry`` (only where
+sending again cannot double a turn).
 """
 
 from __future__ import annotations
 
 from slime_client.client import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, GatewayClient, Session
 from slime_client.errors import (
+    AuthenticationError,
     BadRequestError,
     ConflictError,
     GatewayConnectionError,
@@ -45,6 +47,7 @@ __all__ = [
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_TIMEOUT",
     "ArraySpec",
+    "AuthenticationError",
     "BadRequestError",
     "ConflictError",
     "GatewayClient",

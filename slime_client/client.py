@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, overload
@@ -32,6 +33,8 @@ DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_KEEPALIVE_EXPIRY_S = 2.0
 SAFETENSORS_MEDIA_TYPE = "application/vnd.safetensors"
 JSON_HEADERS = {"content-type": "application/json"}
+# The gateway's API key when ``GatewayClient`` is not given one (as openai-python reads OPENAI_API_KEY).
+API_KEY_ENV = "SLIME_GATEWAY_API_KEY"
 
 
 class GatewayClient:
@@ -40,12 +43,17 @@ class GatewayClient:
     ``timeout`` applies to every request (default ``DEFAULT_TIMEOUT``; with ``http_client`` given and no
     ``timeout``, that client's own timeouts apply). ``max_retries`` bounds the retries of failures that are
     safe to retry (see ``slime_client._retry``). A given ``http_client`` is used as is and never closed here.
+
+    ``api_key`` is sent as ``Authorization: Bearer KEY`` on every request, streams included; None reads the
+    ``SLIME_GATEWAY_API_KEY`` environment variable, ``""`` sends no key. A wrong or missing key raises
+    ``AuthenticationError`` (401, never retried).
     """
 
     def __init__(
         self,
         base_url: str,
         *,
+        api_key: str | None = None,
         timeout: float | httpx.Timeout | None = None,
         max_retries: int = DEFAULT_MAX_RETRIES,
         http_client: httpx.AsyncClient | None = None,
@@ -54,6 +62,9 @@ class GatewayClient:
             raise ValueError("max_retries must be >= 0")
         self.base_url = base_url.rstrip("/")
         self.max_retries = max_retries
+        key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
+        # Per request rather than on the httpx client: a caller's own ``http_client`` is not ours to change.
+        self._auth_headers = {"authorization": f"Bearer {key}"} if key else {}
         self._owns_http_client = http_client is None
         if http_client is None:
             http_client = httpx.AsyncClient(
@@ -172,7 +183,7 @@ class GatewayClient:
         """
         url = self.base_url + path
         content = None if body is None else orjson.dumps(body)
-        headers = None if body is None else JSON_HEADERS
+        headers = self._headers(None if body is None else JSON_HEADERS)
         attempt = 0
         may_have_arrived = False
         while True:
@@ -194,6 +205,12 @@ class GatewayClient:
             may_have_arrived = True
             await self._wait_before_retry(attempt, method, url, f"status {response.status_code}")
             attempt += 1
+
+    def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str] | None:
+        """A request's headers: ``extra`` and the API key, if any."""
+        if not self._auth_headers:
+            return None if extra is None else dict(extra)
+        return {**self._auth_headers, **(extra or {})}
 
     async def _wait_before_retry(self, attempt: int, method: str, url: str, why: str) -> None:
         delay = _retry.retry_delay(attempt)

@@ -10,6 +10,7 @@ gateway error answer becomes a typed ``GatewayStatusError`` in one function (``m
     ├── GatewayResponseError         a 2xx answer the SDK cannot read (not JSON / not safetensors / bad fields)
     └── GatewayStatusError           the gateway answered an error status: .status, .error_type, .message, .body
         ├── BadRequestError          400, 422  invalid input (fix the call; never retried)
+        ├── AuthenticationError      401       missing or wrong API key (never retried)
         ├── NotFoundError            404       unknown session
         ├── ConflictError            409       session id taken, or a turn already running on the session
         ├── UpstreamError            502       SGLang answered something invalid (or dropped replay data)
@@ -79,6 +80,11 @@ class BadRequestError(GatewayStatusError):
     """400 / 422: the request is invalid."""
 
 
+class AuthenticationError(GatewayStatusError):
+    """401: the gateway wants an API key and got none, a malformed one or a wrong one (``api_key=`` or
+    ``SLIME_GATEWAY_API_KEY``; ``details["reason"]`` says which)."""
+
+
 class NotFoundError(GatewayStatusError):
     """404: no such session."""
 
@@ -101,6 +107,7 @@ class GatewayTimeout(GatewayStatusError):
 
 _STATUS_ERRORS: dict[int, type[GatewayStatusError]] = {
     400: BadRequestError,
+    401: AuthenticationError,
     404: NotFoundError,
     409: ConflictError,
     422: BadRequestError,

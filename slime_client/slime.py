@@ -5,7 +5,8 @@ Use it with one slime flag, and tell it where the gateway is::
     SLIME_GATEWAY_URL=http://127.0.0.1:8000 python train.py ... \\
         --custom-generate-function-path slime_client.slime.generate
 
-(``args.gateway_url``, if your launcher defines such an argument, wins over the environment variable.)
+(``args.gateway_url``, if your launcher defines such an argument, wins over the environment variable.) A gateway
+that requires an API key gets it from ``SLIME_GATEWAY_API_KEY`` (or ``args.gateway_api_key``), sent on every call.
 It leaves the ``Sample`` as ``slime.rollout.sglang_rollout.generate`` would: ``tokens``, ``response``,
 ``response_length``, ``loss_mask``, ``rollout_log_probs``, top-p spans, ``rollout_routed_experts`` (with
 ``--use-rollout-routing-replay``, shape from ``--num-layers`` / ``--moe-router-topk``), ``status``,
@@ -48,6 +49,7 @@ from slime_client.types import MoEShape, SessionState, TurnResult
 log = logging.getLogger("slime_client.slime")
 
 GATEWAY_URL_ENV = "SLIME_GATEWAY_URL"
+GATEWAY_API_KEY_ENV = "SLIME_GATEWAY_API_KEY"
 # slime's finish_reason.type -> Sample.Status value (slime's Sample.update_from_meta_info / _apply_meta_info).
 FINISH_TO_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 # Statuses after which slime will not call generate for the sample again (unless it resumes partial rollouts).
@@ -55,10 +57,12 @@ RESUMABLE_STATUSES = frozenset({"pending", "aborted"})
 
 MirrorPlan = Literal["reuse", "append", "recreate"]
 
-# The one piece of module state: a GatewayClient per (event loop, gateway URL). httpx connections belong to
-# the loop that opened them; keying by loop (weakly) gives every loop its own pool and drops it with the loop.
-# slime runs all rollouts on one long-lived loop, so in practice this holds one client.
-_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, GatewayClient]] = weakref.WeakKeyDictionary()
+# The one piece of module state: a GatewayClient per (event loop, gateway URL, API key). httpx connections belong
+# to the loop that opened them; keying by loop (weakly) gives every loop its own pool and drops it with the loop.
+# slime runs all rollouts on one long-lived loop, so in practice this holds one client (a rotated key: a new one).
+_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], GatewayClient]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 async def generate(args: Any, sample: Any, sampling_params: Mapping[str, Any], evaluation: bool = False) -> Any:
@@ -78,7 +82,7 @@ async def generate(args: Any, sample: Any, sampling_params: Mapping[str, Any], e
         sample.session_id = uuid.uuid4().hex
 
     replay = bool(getattr(args, "use_rollout_routing_replay", False))
-    gateway = client_for(gateway_url(args))
+    gateway = client_for(gateway_url(args), gateway_api_key(args))
     session = await mirror_session(gateway, sample, routing_shape(args) if replay else None)
     turn = await session.generate(params, return_routed_experts=replay)
     append_turn(sample, turn, await session.fetch())
@@ -98,6 +102,11 @@ def gateway_url(args: Any) -> str:
     return url
 
 
+def gateway_api_key(args: Any) -> str:
+    """The gateway's API key: ``args.gateway_api_key``, else ``SLIME_GATEWAY_API_KEY``; "" when there is none."""
+    return getattr(args, "gateway_api_key", None) or os.environ.get(GATEWAY_API_KEY_ENV, "")
+
+
 def routing_shape(args: Any) -> MoEShape:
     num_layers, topk = getattr(args, "num_layers", None), getattr(args, "moe_router_topk", None)
     if not num_layers or not topk:
@@ -105,12 +114,13 @@ def routing_shape(args: Any) -> MoEShape:
     return MoEShape(num_layers=int(num_layers), topk=int(topk))
 
 
-def client_for(url: str) -> GatewayClient:
-    """The shared client for ``url`` on the running event loop (created on first use)."""
+def client_for(url: str, api_key: str = "") -> GatewayClient:
+    """The shared client for ``url`` (sending ``api_key``, "" for none) on the running event loop (created on first
+    use)."""
     per_loop = _clients.setdefault(asyncio.get_running_loop(), {})
-    client = per_loop.get(url)
+    client = per_loop.get((url, api_key))
     if client is None or client.is_closed:
-        client = per_loop[url] = GatewayClient(url)
+        client = per_loop[url, api_key] = GatewayClient(url, api_key=api_key)
     return client
 
 

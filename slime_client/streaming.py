@@ -78,7 +78,7 @@ class TurnStream:
     async def _iterate(self) -> AsyncIterator[TurnDelta | TurnResult]:
         url = self._client.base_url + self._path
         content = orjson.dumps(self._body)
-        headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        headers = self._client._headers({"content-type": "application/json", "accept": "text/event-stream"})
         http = self._client._http
         try:
             async with http.stream("POST", url, content=content, headers=headers) as response:

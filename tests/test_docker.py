@@ -43,6 +43,9 @@ STOP_GRACE_S = 10  # `docker stop -t`: SIGTERM, then SIGKILL after this many sec
 SLOW_TURN_DELAY_S = 2.0  # the simulator's delay fault: long enough that SIGTERM lands mid-turn
 ROUTER_READY_TIMEOUT_S = 240.0  # the compose router pip-installs smg when it starts
 CURL_TIMEOUT_S = 30
+# The image listens on 0.0.0.0, so the gateway only starts with a key (README "Security").
+API_KEY = "docker-test-key-7f3a"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
@@ -96,6 +99,7 @@ def run_gateway_container(upstream_url: str, *, health_interval: str = "1s") -> 
         "run", "--detach", "--name", container.name, "--network", "host",
         "--env", f"GATEWAY_PORT={container.port}",
         "--env", f"GATEWAY_UPSTREAM_URL={upstream_url}",
+        "--env", f"GATEWAY_API_KEY={API_KEY}",
         # A short health interval for the test (the image's default is 10 s).
         "--health-interval", health_interval, "--health-timeout", "2s", "--health-retries", "3",
         IMAGE,
@@ -121,9 +125,13 @@ class CurlResult:
         return json.loads(self.body)
 
 
-def curl(method: str, url: str, body: Any = None, *, output: Path | None = None) -> CurlResult:
+def curl(
+    method: str, url: str, body: Any = None, *, output: Path | None = None, key: str | None = API_KEY
+) -> CurlResult:
     """One request with the curl binary (what a user of the sidecar types), the status read from `-w`."""
     args = ["curl", "-sS", "-X", method, "--max-time", str(CURL_TIMEOUT_S), "-w", "\n%{http_code}", url]
+    if key is not None:
+        args += ["-H", f"Authorization: Bearer {key}"]
     if body is not None:
         args += ["-H", "content-type: application/json", "--data-binary", json.dumps(body)]
     if output is not None:
@@ -179,7 +187,7 @@ def test_image_config() -> None:
     config = json.loads(docker("image", "inspect", "-f", "{{json .Config}}", IMAGE).stdout)
     env = dict(item.split("=", 1) for item in config["Env"])
     assert env["GATEWAY_HOST"] == "0.0.0.0" and env["GATEWAY_PORT"] == "8000"
-    assert "GATEWAY_UPSTREAM_URL" not in env  # required: given at run time
+    assert "GATEWAY_UPSTREAM_URL" not in env and "GATEWAY_API_KEY" not in env  # required: given at run time
     assert "8000/tcp" in config["ExposedPorts"]
     assert config["Entrypoint"] == ["python", "-m", "gateway"]  # exec form: python is PID 1, gets SIGTERM
     assert config["StopSignal"] == "SIGTERM"
@@ -205,11 +213,21 @@ def test_missing_upstream_url_exits_with_a_message() -> None:
     assert "upstream_url" in result.stdout + result.stderr
 
 
+def test_no_api_key_refuses_to_start(simulator: Service) -> None:
+    """The image listens on 0.0.0.0: without a key the gateway exits with a message instead of serving everyone."""
+    run = ["run", "--rm", "--network", "host", "--env", f"GATEWAY_UPSTREAM_URL={simulator.url}"]
+    result = docker(*run, "--env", f"GATEWAY_PORT={free_port()}", IMAGE, check=False)
+    assert result.returncode != 0
+    assert "refusing to listen on '0.0.0.0' without an API key" in result.stdout + result.stderr
+
+
 # ---- the sidecar at work ------------------------------------------------------------------------------------
 def test_multi_turn_session_with_curl(sidecar: Container, tmp_path: Path) -> None:
     gw = sidecar.url
-    health = curl("GET", f"{gw}/health")
+    health = curl("GET", f"{gw}/health", key=None)  # open: what the HEALTHCHECK calls
     assert health.status == 200 and health.json()["status"] == "ok" and health.json()["instance_id"]
+    refused = curl("GET", f"{gw}/v1/sessions", key=None)
+    assert refused.status == 401 and refused.json()["error"]["type"] == "unauthorized"
 
     created = curl(
         "POST", f"{gw}/v1/sessions",
@@ -249,7 +267,7 @@ async def test_multi_turn_session_with_the_sdk(sidecar: Container) -> None:
     except ImportError as exc:  # the SDK is optional for the image tests
         pytest.skip(f"slime_client not importable: {exc}")
 
-    async with GatewayClient(sidecar.url) as gw:
+    async with GatewayClient(sidecar.url, api_key=API_KEY) as gw:
         session = await gw.create_session(prompt_ids=[5, 6, 7], num_layers=SIM_LAYERS, moe_router_topk=SIM_TOPK)
         first = await session.generate({"max_new_tokens": 5})
         await session.append([60, 61])
@@ -267,7 +285,8 @@ async def test_multi_turn_session_with_the_sdk(sidecar: Container) -> None:
 def test_sigterm_lets_the_turn_in_flight_finish(simulator: Service) -> None:
     """`docker stop` (SIGTERM) while a turn is running: the turn still gets its full answer, exit code 0."""
     with run_gateway_container(simulator.url) as container, httpx.Client(timeout=30) as client:
-        sid = client.post(f"{container.url}/v1/sessions", json={"prompt_ids": [1, 2, 3]}).json()["session_id"]
+        created = client.post(f"{container.url}/v1/sessions", json={"prompt_ids": [1, 2, 3]}, headers=AUTH)
+        sid = created.json()["session_id"]
         client.delete(f"{simulator.url}/sim/requests").raise_for_status()
         fault = {"mode": "delay", "delay_s": SLOW_TURN_DELAY_S}
         client.post(f"{simulator.url}/sim/faults", json=fault).raise_for_status()
@@ -276,7 +295,7 @@ def test_sigterm_lets_the_turn_in_flight_finish(simulator: Service) -> None:
 
             def slow_turn() -> None:
                 try:
-                    with httpx.Client(timeout=30) as own:
+                    with httpx.Client(timeout=30, headers=AUTH) as own:
                         outcome["response"] = own.post(
                             f"{container.url}/v1/sessions/{sid}/generate",
                             json={"sampling_params": {"max_new_tokens": 4}},
@@ -338,6 +357,7 @@ def test_compose_demo_profile_gateway_router_simulator() -> None:
         "GATEWAY_IMAGE": IMAGE,
         "ROUTER_IMAGE": router_image(),
         "GATEWAY_UPSTREAM_URL": f"http://127.0.0.1:{ports['ROUTER_PORT']}",
+        "GATEWAY_API_KEY": API_KEY,
     }
     project = f"slime-gw-demo-{uuid.uuid4().hex[:6]}"
     gateway = f"http://127.0.0.1:{ports['GATEWAY_PORT']}"

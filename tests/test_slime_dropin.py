@@ -400,4 +400,4 @@ async def test_concurrent_group_shares_one_client(gateway: Service) -> None:
     for sample in group:
         assert sample.response_length == len(sample.loss_mask) == len(sample.rollout_log_probs) > 0
         assert tuple(sample.rollout_routed_experts.shape) == (len(sample.tokens) - 1, SIM_LAYERS, SIM_TOPK)
-    assert list(dropin._clients[asyncio.get_running_loop()]) == [gateway.url]
+    assert list(dropin._clients[asyncio.get_running_loop()]) == [(gateway.url, "")]  # (url, API key)
