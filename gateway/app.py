@@ -11,10 +11,15 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 
 from gateway import __version__
-from gateway.config import Settings
+from gateway.auth import HEALTH_PATH, METRICS_PATH, AuthMiddleware, KeyRing
+from gateway.config import Settings, stored_bytes_limit
+from gateway.connections import ConnectionGuard
 from gateway.errors import GatewayError, InvalidRequest
+from gateway.http_errors import InternalErrorMiddleware, error_response, from_http_exception
+from gateway.limits import RequestBodyLimitMiddleware
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.responses import json_response
 from gateway.routes import health, passthrough, sessions
@@ -26,8 +31,12 @@ from gateway.upstream import Upstream
 log = logging.getLogger("gateway")
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, connections: ConnectionGuard | None = None) -> FastAPI:
+    """``connections``: the guard of the server's client connections (``gateway.connections``), for its metrics."""
     metrics = GatewayMetrics()
+    if connections is not None:
+        metrics.track_connections(open_now=lambda: connections.open, closed=lambda: dict(connections.closed))
+    max_stored_bytes = stored_bytes_limit(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -41,14 +50,19 @@ def create_app(settings: Settings) -> FastAPI:
                 max_connections=settings.max_connections,
                 keepalive_s=settings.upstream_keepalive_s,
                 metrics=metrics,
+                api_key=settings.upstream_key,
             ),
-            store=SessionStore(settings.max_sessions),
+            store=SessionStore(
+                settings.max_sessions,
+                max_session_tokens=settings.max_session_tokens,
+                max_stored_bytes=max_stored_bytes,
+            ),
             cpu_pool=ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="gateway-decode"),
             metrics=metrics,
         )
         metrics.track_store(
             sessions=lambda: len(state.store),
-            running=lambda: sum(1 for s in state.store if s.busy),
+            running=lambda: state.store.active,
             stored=lambda: state.store.stored_bytes,
         )
         app.state.gateway = state
@@ -58,6 +72,12 @@ def create_app(settings: Settings) -> FastAPI:
         gc.freeze()
         sweeper = asyncio.create_task(_expire_idle_sessions(state), name="session-ttl")
         log.info("gateway %s (instance %s) -> upstream %s", __version__, state.instance_id, settings.upstream_base)
+        log.info(
+            "limits: %d request body bytes, %d tokens per session, %s session bytes in all",
+            settings.max_request_bytes,
+            settings.max_session_tokens,
+            "no limit on" if max_stored_bytes is None else max_stored_bytes,
+        )
         try:
             yield
         finally:
@@ -65,10 +85,17 @@ def create_app(settings: Settings) -> FastAPI:
             await state.aclose()
 
     app = FastAPI(title="slime-gateway", version=__version__, lifespan=lifespan)
-    # The last added is the outermost: the passthrough fast path runs inside the metrics middleware.
+    # The last added is the outermost: internal errors -> metrics -> auth -> body limit -> the passthrough fast path
+    # -> FastAPI. Auth refuses before anything serves a route; refusals are still counted.
     app.add_middleware(passthrough.PassthroughMiddleware, on_error=_gateway_error)
+    app.add_middleware(RequestBodyLimitMiddleware, max_bytes=settings.max_request_bytes, on_error=_gateway_error)
+    if settings.api_keys:
+        open_paths = (HEALTH_PATH,) if settings.protect_metrics else (HEALTH_PATH, METRICS_PATH)
+        app.add_middleware(AuthMiddleware, keys=KeyRing(settings.api_keys), open_paths=open_paths)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(InternalErrorMiddleware)
     app.add_exception_handler(GatewayError, _gateway_error)
+    app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.include_router(health.router)
     app.include_router(metrics_route.router)
@@ -93,7 +120,12 @@ async def _gateway_error(request: Request, exc: Exception) -> Response:
     request.app.state.gateway.metrics.record_error(exc)
     if exc.status_code >= 500:
         log.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status_code, exc.error_type, exc)
-    return json_response(exc.to_body(), status_code=exc.status_code)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return await _gateway_error(request, from_http_exception(request, exc))
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:

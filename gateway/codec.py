@@ -2,7 +2,7 @@
 
 No I/O and no session state here: every function takes bytes/objects and returns arrays or raises
 ``UpstreamProtocolError`` (a 502 for the caller) saying exactly what is wrong with the answer.
-See PROTOCOL.md sections 2-3 for the formats.
+See docs/protocol.md sections 2-3 for the formats.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ AnswerBytes = bytes | bytearray | mmap.mmap
 # Terminal counters slime sums into Sample.spec_info (speculative decoding).
 SPEC_COUNTER_KEYS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct")
 INT32_MAX = 2**31 - 1
+_INT_TYPE = frozenset({int})
+_NUMBER_TYPES = frozenset({int, float})
+MAX_FINISH_REASON_BYTES = 4096
+MAX_WEIGHT_VERSION_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +243,7 @@ def decode_answer(answer: dict[str, Any], *, want_routing: bool, want_top_p: boo
         prompt_tokens=_count(meta, "prompt_tokens"),
         completion_tokens=_count(meta, "completion_tokens"),
         cached_tokens=_count(meta, "cached_tokens"),
-        weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
+        weight_version=_weight_version(meta.get("weight_version")),
         routed_experts=routed,
         routed_max=routed_max,
         top_p_ids=top_p_ids,
@@ -249,25 +253,36 @@ def decode_answer(answer: dict[str, Any], *, want_routing: bool, want_top_p: boo
 
 
 def decode_output_token_logprobs(items: Any) -> tuple[np.ndarray, np.ndarray]:
-    """``[[logprob, token_id, text], ...]`` -> (int32 ids, float32 log-probs)."""
+    """``[[logprob, token_id, text], ...]`` -> (int32 ids, float32 log-probs), refusing rather than coercing:
+    ids are ints in [0, 2**31) (not floats, not booleans), log-probs finite numbers <= 0 (a null log-prob, SGLang's
+    form of -inf, is refused: a sampled token cannot have probability 0, so it means the answer is broken)."""
     if not isinstance(items, list):
         raise UpstreamProtocolError(
             "upstream answer has no meta_info.output_token_logprobs list (was return_logprob dropped?)"
         )
-    n = len(items)
     try:
-        ids = np.fromiter((item[1] for item in items), dtype=np.int64, count=n)
-        log_probs = np.fromiter((item[0] for item in items), dtype=np.float64, count=n)
-    except (TypeError, ValueError, IndexError, KeyError, OverflowError) as exc:  # Overflow: ids/log-probs >= 2**63
-        raise UpstreamProtocolError(_explain_bad_logprob_item(items)) from exc
-    if n and (ids.min() < 0 or ids.max() > INT32_MAX):
-        raise UpstreamProtocolError("output_token_logprobs holds a token id outside [0, 2**31)")
+        log_prob_values = [item[0] for item in items]
+        id_values = [item[1] for item in items]
+    except (TypeError, IndexError, KeyError):
+        raise UpstreamProtocolError(_explain_bad_logprob_item(items)) from None
+    # One pass each, in C: exact types (``type(True)`` is bool, not int), so nothing is coerced below.
+    if not set(map(type, id_values)) <= _INT_TYPE or not set(map(type, log_prob_values)) <= _NUMBER_TYPES:
+        raise UpstreamProtocolError(_explain_bad_logprob_item(items))
+    try:
+        ids = np.array(id_values, dtype=np.int64)
+    except OverflowError:  # beyond int64
+        raise UpstreamProtocolError(_explain_bad_logprob_item(items)) from None
+    if len(ids) and (ids.min() < 0 or ids.max() > INT32_MAX):
+        raise UpstreamProtocolError(_explain_bad_logprob_item(items))
     with np.errstate(over="ignore"):  # checked after the cast: |x| > 3.4e38 becomes +-inf in float32
-        log_probs32 = log_probs.astype(np.float32)
-    if n and not np.isfinite(log_probs32).all():
-        bad = int(np.flatnonzero(~np.isfinite(log_probs32))[0])
-        raise UpstreamProtocolError(f"output_token_logprobs[{bad}] has a non-finite log-prob (or beyond float32)")
-    return ids.astype(np.int32), log_probs32
+        log_probs = np.array(log_prob_values, dtype=np.float64).astype(np.float32)
+    if len(log_probs) and not (np.isfinite(log_probs).all() and (log_probs <= 0).all()):
+        bad = int(np.flatnonzero(~(np.isfinite(log_probs) & (log_probs <= 0)))[0])
+        raise UpstreamProtocolError(
+            f"output_token_logprobs[{bad}] has log-prob {log_prob_values[bad]!r:.40}: not a finite number <= 0 "
+            "(or beyond float32)"
+        )
+    return ids.astype(np.int32), log_probs
 
 
 def _explain_bad_logprob_item(items: list[Any]) -> str:
@@ -277,10 +292,13 @@ def _explain_bad_logprob_item(items: list[Any]) -> str:
             return f"output_token_logprobs[{i}] is not a [logprob, token_id, text] list: {item!r:.80}"
         logprob, token_id = item[0], item[1]
         if logprob is None:
-            return f"output_token_logprobs[{i}] has a null log-prob (non-finite upstream, or log-probs missing)"
-        if isinstance(logprob, bool) or not isinstance(logprob, int | float):
+            return (
+                f"output_token_logprobs[{i}] has a null log-prob: a non-finite log-prob upstream (SGLang writes -inf "
+                "as null), or log-probs missing"
+            )
+        if type(logprob) not in _NUMBER_TYPES:
             return f"output_token_logprobs[{i}] log-prob is not a number: {logprob!r:.40}"
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
+        if type(token_id) not in _INT_TYPE:
             return f"output_token_logprobs[{i}] token id is not an integer: {token_id!r:.40}"
         if not 0 <= token_id <= INT32_MAX:
             return f"output_token_logprobs[{i}] token id {token_id!r:.40} is outside [0, 2**31)"
@@ -373,21 +391,50 @@ def check_top_p_spans(ids: np.ndarray, offsets: np.ndarray, num_tokens: int) -> 
 
 
 def _finish_reason(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The finish reason as stored in the turn log and sent back in summaries: checked to serialize, small."""
     finish = meta.get("finish_reason")
     if finish is None:
         return None
     if not isinstance(finish, dict) or not isinstance(finish.get("type"), str):
         raise UpstreamProtocolError(f"meta_info.finish_reason must be an object with a 'type', got {finish!r:.80}")
+    matched = finish.get("matched")  # the stop token id or stop string
+    token_id = type(matched) is int and 0 <= matched <= INT32_MAX
+    if matched is not None and not isinstance(matched, str) and not token_id:
+        raise UpstreamProtocolError(
+            f"meta_info.finish_reason.matched must be a token id or a string, got {matched!r:.40}"
+        )
+    try:
+        encoded = orjson.dumps(finish)  # what the turn's summary and the session view will serialize
+    except (TypeError, orjson.JSONEncodeError) as exc:  # nested too deep, an int beyond 64 bits
+        raise UpstreamProtocolError(f"meta_info.finish_reason cannot be stored: {exc}") from None
+    if len(encoded) > MAX_FINISH_REASON_BYTES:
+        raise UpstreamProtocolError(f"meta_info.finish_reason is {len(encoded)} bytes, over {MAX_FINISH_REASON_BYTES}")
     return finish
 
 
 def _count(meta: dict[str, Any], key: str) -> int:
+    """A counter (tokens, spec decoding steps): an int in [0, 2**31), or absent/null (0). Sessions sum them, so a
+    bound keeps every sum storable."""
     value = meta.get(key, 0)
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise UpstreamProtocolError(f"meta_info.{key} must be a number, got {value!r:.40}")
-    return int(value)
+    if type(value) is not int or not 0 <= value <= INT32_MAX:
+        raise UpstreamProtocolError(f"meta_info.{key} must be an integer in [0, 2**31), got {value!r:.40}")
+    return value
+
+
+def _weight_version(value: Any) -> str | None:
+    """SGLang sends a string; a number is taken as its decimal form, anything else is refused (never a repr)."""
+    if value is None:
+        return None
+    if type(value) is int or (type(value) is float and math.isfinite(value)):
+        value = str(value)
+    if not isinstance(value, str) or len(value) > MAX_WEIGHT_VERSION_CHARS:
+        raise UpstreamProtocolError(
+            f"meta_info.weight_version must be a string (at most {MAX_WEIGHT_VERSION_CHARS} characters) or a number, "
+            f"got {value!r:.60}"
+        )
+    return value
 
 
 def _first_present(meta: dict[str, Any], keys: tuple[str, ...]) -> Any:

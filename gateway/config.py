@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from pydantic import AnyHttpUrl, Field, field_validator
+import ipaddress
+import os
+from pathlib import Path
+
+from pydantic import AnyHttpUrl, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="forbid")
+    # hide_input_in_errors: a ValidationError's text would otherwise quote the value of a bad key setting.
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="forbid", hide_input_in_errors=True)
 
     upstream_url: AnyHttpUrl = Field(description="SGLang router (or server) base URL, e.g. http://127.0.0.1:30000")
     host: str = Field("127.0.0.1", description="address to listen on")
@@ -53,6 +58,46 @@ class Settings(BaseSettings):
         "(tokens so far folded in). Keep it under the orchestrator's kill timeout (docker stop: 10 s)",
     )
     keep_alive_s: float = Field(75.0, gt=0, description="idle client connections are kept open this long")
+    max_request_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=1024,
+        description="request bodies larger than this are refused (413 request_too_large) while they arrive, "
+        "never buffered whole; a larger Content-Length is refused before reading",
+    )
+    max_session_tokens: int = Field(
+        1024 * 1024,
+        ge=1,
+        description="tokens one session may hold (prompt + response): a create, append or model turn that would "
+        "pass it is refused (413 session_too_long), the session unchanged",
+    )
+    max_stored_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="bytes of session arrays all sessions may hold; at it, new sessions and growth are refused "
+        "(507 store_full) while reads and deletes work. Unset: half of the memory this process may use "
+        "(physical memory, or the cgroup limit when lower); 0: no limit",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a client connection whose request head is not complete this long is closed"
+    )
+    max_client_connections: int = Field(
+        10_000,
+        ge=1,
+        description="client connections held at once; past it a new connection closes the longest-idle one (or "
+        "is answered 503 too_many_connections when none is idle)",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="the key callers must send as 'Authorization: Bearer KEY' on every route but GET /health; "
+        "a comma-separated list accepts each of them (rotation)",
+    )
+    protect_metrics: bool = Field(False, description="GET /metrics needs the key too (it is open by default)")
+    allow_unauthenticated: bool = Field(
+        False, description="start without api_key on a non-loopback host (anyone who can connect controls sessions)"
+    )
+    upstream_api_key: SecretStr | None = Field(
+        None, description="SGLang's / the router's own --api-key, sent on every upstream request"
+    )
 
     @field_validator("upstream_url")
     @classmethod
@@ -61,6 +106,88 @@ class Settings(BaseSettings):
             raise ValueError("upstream_url must be a base URL without query or fragment")
         return url
 
+    @field_validator("api_key")
+    @classmethod
+    def _key_list(cls, value: SecretStr | None) -> SecretStr | None:
+        # Blank items are dropped (a trailing comma); all blank means no key, which the exposure check then judges.
+        keys = [key for key in (item.strip() for item in _secret(value).split(",")) if key]
+        return SecretStr(",".join(_checked_key(key) for key in keys)) if keys else None
+
+    @field_validator("upstream_api_key")
+    @classmethod
+    def _one_key(cls, value: SecretStr | None) -> SecretStr | None:
+        key = _secret(value).strip()
+        return SecretStr(_checked_key(key)) if key else None
+
     @property
     def upstream_base(self) -> str:
         return str(self.upstream_url).rstrip("/")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted keys; empty when authentication is off."""
+        return tuple(_secret(self.api_key).split(",")) if self.api_key else ()
+
+    @property
+    def upstream_key(self) -> str | None:
+        return self.upstream_api_key.get_secret_value() if self.upstream_api_key else None
+
+
+# What a key may hold: it travels in a header (no spaces, no line breaks) and a list is split on commas.
+_KEY_CHARS = frozenset(map(chr, range(0x21, 0x7F))) - {","}
+
+
+def _secret(value: SecretStr | None) -> str:
+    return value.get_secret_value() if value is not None else ""
+
+
+def _checked_key(key: str) -> str:
+    if not _KEY_CHARS.issuperset(key):
+        # Never the value in the message (the error names the setting).
+        raise ValueError("a key is printable ASCII without spaces or commas (a comma separates keys)")
+    return key
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost).
+    Any other name or address, 0.0.0.0 and :: included, counts as exposed."""
+    name = host.strip().removeprefix("[").removesuffix("]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(settings: Settings) -> str | None:
+    """Why these settings must not start (an open gateway on a reachable address), or None."""
+    if settings.api_key is not None or settings.allow_unauthenticated or is_loopback(settings.host):
+        return None
+    return (
+        f"refusing to listen on {settings.host!r} without an API key: anyone who can reach it could read, change "
+        "and delete every session and call /flush_cache or /abort_request upstream. Set GATEWAY_API_KEY (or "
+        "--api-key), listen on 127.0.0.1, or set GATEWAY_ALLOW_UNAUTHENTICATED=true to run open on purpose."
+    )
+
+
+def stored_bytes_limit(settings: Settings) -> int | None:
+    """``max_stored_bytes`` resolved: its value, half of the memory this process may use when unset, or None (no
+    limit) for 0."""
+    if settings.max_stored_bytes is not None:
+        return settings.max_stored_bytes or None
+    return usable_memory_bytes() // 2
+
+
+def usable_memory_bytes() -> int:
+    """Physical memory, or the cgroup (v2, then v1) memory limit when lower: a container sees the host's memory in
+    sysconf but is killed at its own limit."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max": no limit
+            return min(physical, int(text))
+    return physical

@@ -5,13 +5,22 @@ base64, numpy) are translated into it at one boundary each, with ``raise ... fro
 
     GatewayError                        500 internal_error
     ├── InvalidRequest                  422 invalid_request      bad JSON / fields from the caller
+    ├── Unauthorized                    401 unauthorized         no / malformed / wrong API key
     ├── SessionNotFound                 404 session_not_found
     ├── SessionConflict                 409 session_conflict
     │   ├── SessionExists               409 session_exists       create with an id already taken
     │   └── SessionBusy                 409 session_busy         a turn is already running on it
-    ├── TooManySessions                 429 too_many_sessions    the store is at max_sessions
+    ├── NotFound                        404 not_found            no route has this path
+    ├── MethodNotAllowed                405 method_not_allowed   the path exists, not with this method (Allow header)
+    ├── LimitExceeded                   413 limit_exceeded       a GATEWAY_* limit refused the request
+    │   ├── RequestTooLarge             413 request_too_large    body over max_request_bytes
+    │   ├── SessionTooLong              413 session_too_long     the session would pass max_session_tokens
+    │   ├── TooManySessions             429 too_many_sessions    the store is at max_sessions
+    │   ├── StoreFull                   507 store_full           the sessions hold max_stored_bytes
+    │   ├── TooManyConnections          503 too_many_connections max_client_connections open, none idle
+    │   └── HeaderTimeout               408 header_timeout       the request head did not arrive in header_timeout_s
     └── UpstreamError                   502 upstream_error       anything wrong on the SGLang side
-        ├── UpstreamProtocolError       502 upstream_protocol_error   answer that breaks PROTOCOL.md
+        ├── UpstreamProtocolError       502 upstream_protocol_error   answer that breaks docs/protocol.md
         │   └── ReplayDataDropped       502 replay_data_dropped  asked for routing / top-p, got none
         ├── UpstreamRejected            400 upstream_rejected    SGLang/router refused the request (4xx)
         ├── UpstreamConnectionLost      502 upstream_connection_lost  dropped after the request was sent
@@ -40,10 +49,29 @@ class GatewayError(Exception):
     def to_body(self) -> dict[str, Any]:
         return {"error": {"type": self.error_type, "message": self.message, **self.details}}
 
+    def response_headers(self) -> dict[str, str]:
+        """Headers the error response must carry besides the JSON body (e.g. ``Allow`` on a 405)."""
+        return {}
+
 
 class InvalidRequest(GatewayError):
     status_code = 422
     error_type = "invalid_request"
+
+
+class Unauthorized(GatewayError):
+    """The API key is missing, malformed or wrong (``details["reason"]``: missing / malformed / invalid_key).
+    The message never repeats what the caller sent."""
+
+    status_code = 401
+    error_type = "unauthorized"
+    # RFC 6750 section 3.1: the challenge names the problem, except when no credentials came at all.
+    _CHALLENGE_ERRORS: ClassVar[dict[str, str]] = {"malformed": "invalid_request", "invalid_key": "invalid_token"}
+
+    def response_headers(self) -> dict[str, str]:
+        challenge = 'Bearer realm="slime-gateway"'
+        error = self._CHALLENGE_ERRORS.get(str(self.details.get("reason")))
+        return {"www-authenticate": challenge if error is None else f'{challenge}, error="{error}"'}
 
 
 class SessionNotFound(GatewayError):
@@ -64,9 +92,58 @@ class SessionBusy(SessionConflict):
     error_type = "session_busy"
 
 
-class TooManySessions(GatewayError):
+class NotFound(GatewayError):
+    status_code = 404
+    error_type = "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    """``details["allow"]``: the methods the path takes, also sent as the ``Allow`` header (RFC 9110 15.5.6)."""
+
+    status_code = 405
+    error_type = "method_not_allowed"
+
+    def response_headers(self) -> dict[str, str]:
+        return {"allow": ", ".join(self.details.get("allow", ()))}
+
+
+class LimitExceeded(GatewayError):
+    """A configured limit refused the request; ``details`` name the ``setting`` and its ``limit``. Nothing was
+    changed: the session (if any) is exactly as it was."""
+
+    status_code = 413
+    error_type = "limit_exceeded"
+
+
+class RequestTooLarge(LimitExceeded):
+    error_type = "request_too_large"
+
+
+class SessionTooLong(LimitExceeded):
+    error_type = "session_too_long"
+
+
+class TooManySessions(LimitExceeded):
     status_code = 429
     error_type = "too_many_sessions"
+
+
+class StoreFull(LimitExceeded):
+    """507 Insufficient Storage, not 503: the store frees up only when sessions are deleted or expire, so an
+    automatic retry (the SDK retries 503s) would not help."""
+
+    status_code = 507
+    error_type = "store_full"
+
+
+class TooManyConnections(LimitExceeded):
+    status_code = 503
+    error_type = "too_many_connections"
+
+
+class HeaderTimeout(LimitExceeded):
+    status_code = 408
+    error_type = "header_timeout"
 
 
 class UpstreamError(GatewayError):

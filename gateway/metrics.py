@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -69,6 +69,9 @@ class GatewayMetrics:
     def track_store(self, sessions: Callable[[], int], running: Callable[[], int], stored: Callable[[], int]) -> None:
         self.registry.register(_StoreCollector(sessions, running, stored))
 
+    def track_connections(self, open_now: Callable[[], int], closed: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(_ConnectionCollector(open_now, closed))
+
     def record_error(self, exc: GatewayError) -> None:
         if isinstance(exc, UpstreamError):
             self.upstream_errors.labels(exc.error_type).inc()
@@ -85,7 +88,7 @@ class GatewayMetrics:
 
 
 class _StoreCollector(Collector):
-    """Session gauges read at scrape time, so the hot path never updates them."""
+    """Session gauges read at scrape time from the counters the store keeps (O(1): no walk over the sessions)."""
 
     def __init__(self, sessions: Callable[[], int], running: Callable[[], int], stored: Callable[[], int]) -> None:
         self._sessions, self._running, self._stored = sessions, running, stored
@@ -96,6 +99,25 @@ class _StoreCollector(Collector):
         yield GaugeMetricFamily(
             "gateway_stored_bytes", "Bytes of session arrays held (slack included)", value=self._stored()
         )
+
+
+class _ConnectionCollector(Collector):
+    """Client connections (``gateway.connections``), read at scrape time."""
+
+    def __init__(self, open_now: Callable[[], int], closed: Callable[[], dict[str, int]]) -> None:
+        self._open, self._closed = open_now, closed
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        yield GaugeMetricFamily("gateway_client_connections", "Client connections open", value=self._open())
+        closed = CounterMetricFamily(
+            "gateway_client_connections_closed",
+            "Client connections the gateway closed: head not complete in time, evicted for a new one at the cap, "
+            "refused at the cap",
+            labels=["reason"],
+        )
+        for reason, count in self._closed().items():
+            closed.add_metric([reason], count)
+        yield closed
 
 
 class MetricsMiddleware:

@@ -2,7 +2,7 @@
 
 Every append validates first and mutates only once everything is known to be valid, so a failed turn
 leaves the session exactly as it was. Appends are amortized O(new tokens) (see ``GrowableArray``).
-PROTOCOL.md section 6 is the contract; the field names are slime's ``Sample`` fields.
+docs/protocol.md section 6 is the contract; the field names are slime's ``Sample`` fields.
 """
 
 from __future__ import annotations
@@ -48,6 +48,17 @@ class RoutingPlan:
     rows: np.ndarray  # [new_rows, L, K], as decoded (int32, or already the narrowest unsigned dtype)
     max_id: int
     upstream_ignored_start_len: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTurnPlan:
+    """A model answer checked against the session: everything ``apply_model_turn`` will do, decided up front."""
+
+    turn: DecodedTurn
+    routing: RoutingPlan | None
+    record: TurnRecord
+    status_after: Status
+    routing_rows_after: int
 
 
 @dataclass(slots=True)
@@ -124,17 +135,15 @@ class SessionSample:
             )
 
     def fold_model_turn(self, turn: DecodedTurn, *, routing_start_len: int = 0) -> TurnRecord:
-        """Append a model answer (trainable tokens). Validates everything, then mutates."""
-        n = turn.num_tokens
-        new_total = len(self.tokens) + n
-        routing = self._plan_routing(turn, new_total, routing_start_len)
-        self._check_top_p(turn, n)
+        """Append a model answer (trainable tokens): ``plan_model_turn``, then ``apply_model_turn``."""
+        return self.apply_model_turn(self.plan_model_turn(turn, routing_start_len=routing_start_len))
 
-        self._append_tokens(turn.token_ids, trainable=True, log_probs=turn.log_probs, text=turn.text)
-        if turn.top_p_offsets is not None and n:
-            self._merge_top_p(turn.top_p_ids, turn.top_p_offsets)
-        if routing is not None:
-            self._apply_routing(routing)
+    def plan_model_turn(self, turn: DecodedTurn, *, routing_start_len: int = 0) -> ModelTurnPlan:
+        """Check a model answer against the session and decide what folding it changes; changes nothing. Every
+        error of the fold is raised here, so a caller can also check what it will answer before applying."""
+        n = turn.num_tokens
+        routing = self._plan_routing(turn, len(self.tokens) + n, routing_start_len)
+        self._check_top_p(turn, n)
         record = TurnRecord(
             kind="model",
             num_tokens=n,
@@ -143,10 +152,25 @@ class SessionSample:
             cached_tokens=turn.cached_tokens,
             routing_rows=None if routing is None else len(routing.rows),
         )
+        status = FINISH_TO_STATUS.get(turn.finish_type or "", self.status) if turn.finish_reason else self.status
+        rows_after = self.routing_rows if routing is None else routing.keep_rows + len(routing.rows)
+        return ModelTurnPlan(turn, routing, record, status, rows_after)
+
+    def apply_model_turn(self, plan: ModelTurnPlan) -> TurnRecord:
+        """Fold a planned answer in. Nothing here can fail on the answer's content (``plan_model_turn`` checked
+        it); only running out of memory could stop it half-way."""
+        turn = plan.turn
+        n = turn.num_tokens
+        self._append_tokens(turn.token_ids, trainable=True, log_probs=turn.log_probs, text=turn.text)
+        if turn.top_p_offsets is not None and n:
+            self._merge_top_p(turn.top_p_ids, turn.top_p_offsets)
+        if plan.routing is not None:
+            self._apply_routing(plan.routing)
         if turn.finish_reason is not None:
             self._apply_terminal_info(turn)
-        self.turns.append(record)
-        return record
+        self.status = plan.status_after
+        self.turns.append(plan.record)
+        return plan.record
 
     def append_tool_tokens(self, token_ids: np.ndarray, text: str | None = None) -> TurnRecord:
         """Tool/environment tokens: not trainable (loss mask 0, log-prob 0.0, empty top-p spans)."""
@@ -241,9 +265,6 @@ class SessionSample:
             self.spec_counters[key] = self.spec_counters.get(key, 0) + value
         if turn.num_tokens and turn.weight_version is not None:
             self.weight_versions.append(turn.weight_version)
-        status = FINISH_TO_STATUS.get(turn.finish_type or "")
-        if status is not None:
-            self.status = status
 
     # ---- export ----------------------------------------------------------------------------------------------
     def arrays(self) -> dict[str, np.ndarray]:
@@ -261,7 +282,7 @@ class SessionSample:
         return out
 
     def check_invariants(self) -> None:
-        """PROTOCOL.md section 6 invariants; raises AssertionError (used by tests and debug checks)."""
+        """docs/protocol.md section 6.6 invariants; raises AssertionError (used by tests and debug checks)."""
         n = self.response_length
         assert len(self.loss_mask) == len(self.log_probs) == n, "loss_mask/log_probs length != response_length"
         if self.top_p_offsets is not None and self.top_p_ids is not None:

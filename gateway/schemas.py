@@ -2,29 +2,131 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
+import orjson
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
-TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+from gateway.bodies import TokenIds, validate_big_body
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_JSON_DEPTH = 32
+MAX_METADATA_BYTES = 64 * 1024
+MAX_NUM_LAYERS = 1024  # DeepSeek-V3: 61, Qwen3-235B: 94
+MAX_MOE_TOPK = 256
+
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 SessionId = Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@-]+$")]
+Number = StrictInt | StrictFloat  # JSON numbers; non-finite ones are refused (allow_inf_nan=False below)
+
+
+def check_json_value(value: Any, where: str, depth: int = 0) -> None:
+    """Free-form JSON from a client is stored and sent back (metadata) or sent upstream (sampling params): refuse
+    what could not be sent back as it came, instead of failing later or changing it (NaN becomes null in JSON,
+    integers beyond 64 bits and deep nesting cannot be serialized at all)."""
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"{where} is nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    if isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(f"{where} is an integer outside the 64-bit range")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where} is not a finite number")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_json_value(item, f"{where}[{index}]", depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_json_value(item, f"{where}.{key}", depth + 1)
+    else:
+        raise ValueError(f"{where} is not a JSON value")
+
+
+def _json_object_within(name: str, max_bytes: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def check(value: dict[str, Any]) -> dict[str, Any]:
+        check_json_value(value, name)
+        size = len(orjson.dumps(value))
+        if size > max_bytes:
+            raise ValueError(f"is {size} bytes of JSON, over the limit of {max_bytes}")
+        return value
+
+    return check
+
+
+Metadata = Annotated[dict[str, Any], AfterValidator(_json_object_within("metadata", MAX_METADATA_BYTES))]
+
+
+class SamplingParams(BaseModel):
+    """SGLang's ``sampling_params``: the keys a trainer sends are typed, any other key is forwarded as it came (SGLang
+    knows more than listed here) once it is plain, finite, storable JSON."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    temperature: Annotated[Number, Field(ge=0)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] | None = None  # -1: off
+    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    max_new_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None
+    min_new_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    no_stop_trim: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    sampling_seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    custom_params: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _the_rest_is_plain_json(self) -> SamplingParams:
+        check_json_value(self.custom_params, "custom_params")
+        for key, value in (self.model_extra or {}).items():
+            check_json_value(value, key)
+        return self
+
+
+def _sampling_params(value: dict[str, Any]) -> dict[str, Any]:
+    """Checked as ``SamplingParams``, kept as the dict the client sent (forwarded upstream as it came)."""
+    SamplingParams.model_validate(value)
+    return value
+
+
+SamplingParamsDict = Annotated[dict[str, Any], AfterValidator(_sampling_params)]
 
 
 class _Body(BaseModel):
     # Unknown fields are errors: a misspelt "return_routed_expert" must not silently train without replay.
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class SessionCreate(_Body):
-    prompt_ids: Annotated[list[TokenId], Field(min_length=1)]
-    num_layers: Annotated[StrictInt, Field(gt=0)] | None = None
-    moe_router_topk: Annotated[StrictInt, Field(gt=0)] | None = None
+    prompt_ids: TokenIds  # an int32 array, not a Python int per token
+    num_layers: Annotated[StrictInt, Field(gt=0, le=MAX_NUM_LAYERS)] | None = None
+    moe_router_topk: Annotated[StrictInt, Field(gt=0, le=MAX_MOE_TOPK)] | None = None
     session_id: SessionId | None = None
-    metadata: dict[str, Any] | None = None
-    sampling_defaults: dict[str, Any] | None = None
+    metadata: Metadata | None = None
+    sampling_defaults: SamplingParamsDict | None = None
 
     @model_validator(mode="after")
     def _moe_shape_complete(self) -> SessionCreate:
@@ -34,20 +136,13 @@ class SessionCreate(_Body):
 
 
 class TurnCreate(_Body):
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: SamplingParamsDict = Field(default_factory=dict)
     return_routed_experts: StrictBool | None = None
     stream: StrictBool = False
 
-    @model_validator(mode="after")
-    def _custom_params_is_object(self) -> TurnCreate:
-        custom = self.sampling_params.get("custom_params")
-        if custom is not None and not isinstance(custom, dict):
-            raise ValueError("sampling_params.custom_params must be an object")
-        return self
-
 
 class ToolAppend(_Body):
-    token_ids: Annotated[list[TokenId], Field(min_length=1)]
+    token_ids: TokenIds
     text: StrictStr | None = None
 
 
@@ -58,22 +153,27 @@ class SampleBatchRequest(_Body):
 Body = TypeVar("Body", bound=BaseModel)
 
 
-def json_body(model: type[Body]) -> Callable[[Request], Awaitable[Body]]:
+def json_body(model: type[Body], token_array: str | None = None) -> Callable[[Request], Awaitable[Body]]:
     """A dependency that reads the body as JSON whatever its Content-Type (``curl -d`` sends a form type, and
     SGLang accepts that too), validated by pydantic's JSON parser straight from the bytes. An empty body is
-    ``{}``."""
+    ``{}``. The body's size is bounded while it arrives (``gateway.limits``). A body over ``decode_offload_bytes``
+    is validated in the worker pool, its ``token_array`` field (when given) parsed in steps that let the event loop
+    run (``gateway.bodies``: pydantic holds the GIL for a whole validation)."""
 
     async def parse(request: Request) -> Body:
         raw = await request.body()
+        state = request.app.state.gateway
         try:
-            return model.model_validate_json(raw or b"{}")
+            if token_array is None or len(raw) < state.settings.decode_offload_bytes:
+                return await state.run_cpu(len(raw), lambda: model.model_validate_json(raw or b"{}"))
+            return await state.run_cpu(len(raw), lambda: validate_big_body(model, raw, token_array))
         except ValidationError as exc:
             raise RequestValidationError(exc.errors(include_url=False)) from exc
 
     return parse
 
 
-SessionCreateBody = Annotated[SessionCreate, Depends(json_body(SessionCreate))]
+SessionCreateBody = Annotated[SessionCreate, Depends(json_body(SessionCreate, token_array="prompt_ids"))]
 TurnCreateBody = Annotated[TurnCreate, Depends(json_body(TurnCreate))]
-ToolAppendBody = Annotated[ToolAppend, Depends(json_body(ToolAppend))]
+ToolAppendBody = Annotated[ToolAppend, Depends(json_body(ToolAppend, token_array="token_ids"))]
 SampleBatchBody = Annotated[SampleBatchRequest, Depends(json_body(SampleBatchRequest))]

@@ -1,15 +1,20 @@
-"""Session store: the in-memory backend (one gateway replica). A Redis backend would implement the same API."""
+"""Session store: the in-memory backend (one gateway replica). A Redis backend would implement the same API.
+
+The store enforces the session limits (count, tokens per session, bytes held) and keeps the numbers the metrics
+report (sessions, sessions with a turn running, bytes held) as counters updated on every change, so that neither a
+limit check nor a scrape ever walks the sessions.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.errors import SessionBusy, SessionExists, SessionNotFound, TooManySessions
+from gateway.errors import SessionBusy, SessionExists, SessionNotFound, SessionTooLong, StoreFull, TooManySessions
 from gateway.sample import SessionSample
 
 
@@ -33,17 +38,27 @@ class Session:
     updated_at: float = field(default_factory=time.time)
     busy: bool = False
     running: RunningTurn | None = None
+    counted_bytes: int = 0  # sample.stored_bytes when the store last counted it (see SessionStore.growing)
 
     def touch(self) -> None:
         self.updated_at = time.time()
 
 
 class SessionStore:
-    """Sessions by id. All access happens on the event loop, so the busy flag needs no lock."""
+    """Sessions by id. All access happens on the event loop, so the busy flag and the counters need no lock.
 
-    def __init__(self, max_sessions: int) -> None:
+    ``max_session_tokens`` and ``max_stored_bytes`` of None mean no limit.
+    """
+
+    def __init__(
+        self, max_sessions: int, *, max_session_tokens: int | None = None, max_stored_bytes: int | None = None
+    ) -> None:
         self._sessions: dict[str, Session] = {}
         self._max_sessions = max_sessions
+        self._max_session_tokens = max_session_tokens
+        self._max_stored_bytes = max_stored_bytes
+        self._stored_bytes = 0
+        self._active = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -62,14 +77,23 @@ class SessionStore:
         if session_id is not None and session_id in self._sessions:
             raise SessionExists(f"session {session_id!r} already exists", session_id=session_id)
         if len(self._sessions) >= self._max_sessions:
-            raise TooManySessions(f"the gateway already holds {len(self._sessions)} sessions (max_sessions)")
+            raise TooManySessions(
+                f"the gateway already holds {len(self._sessions)} sessions",
+                setting="GATEWAY_MAX_SESSIONS",
+                limit=self._max_sessions,
+            )
+        self._check_tokens(len(sample.tokens), "the prompt has")
+        new_bytes = sample.stored_bytes
+        self._check_store_room(new_bytes)
         session = Session(
             session_id=session_id or uuid.uuid4().hex,
             sample=sample,
             metadata=metadata or {},
             sampling_defaults=sampling_defaults or {},
+            counted_bytes=new_bytes,
         )
         self._sessions[session.session_id] = session
+        self._stored_bytes += new_bytes
         return session
 
     def get(self, session_id: str) -> Session:
@@ -82,7 +106,7 @@ class SessionStore:
         session = self.get(session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id!r} has a turn running; abort or wait for it first")
-        del self._sessions[session_id]
+        self._drop(session)
 
     def acquire(self, session_id: str) -> Session:
         """Hold the session for one turn or append: a second one on the same session is a 409."""
@@ -90,10 +114,12 @@ class SessionStore:
         if session.busy:
             raise SessionBusy(f"session {session_id!r} already has a turn running", session_id=session_id)
         session.busy = True
+        self._active += 1
         return session
 
-    @staticmethod
-    def release(session: Session) -> None:
+    def release(self, session: Session) -> None:
+        if session.busy:
+            self._active -= 1
         session.busy = False
         session.running = None
         session.touch()
@@ -112,11 +138,78 @@ class SessionStore:
     def expire_idle(self, ttl_s: float, now: float | None = None) -> list[str]:
         """Drop sessions untouched for ``ttl_s`` (abandoned rollouts); a session with a turn running stays."""
         cutoff = (time.time() if now is None else now) - ttl_s
-        expired = [s.session_id for s in self._sessions.values() if not s.busy and s.updated_at < cutoff]
-        for session_id in expired:
-            del self._sessions[session_id]
-        return expired
+        expired = [s for s in self._sessions.values() if not s.busy and s.updated_at < cutoff]
+        for session in expired:
+            self._drop(session)
+        return [s.session_id for s in expired]
+
+    # ---- limits and counters -------------------------------------------------------------------------------------
+    def check_growth(self, session: Session, new_tokens: int = 1) -> None:
+        """Admit a model turn (``new_tokens=1``: room for at least one token) or an append of ``new_tokens`` before
+        anything is sent or changed: SessionTooLong past max_session_tokens, StoreFull once the sessions hold
+        max_stored_bytes. A turn admitted here is checked again on its answer (``growing``)."""
+        self.check_room(session, new_tokens)
+        self._check_store_room(0)
+
+    def check_room(self, session: Session, new_tokens: int) -> None:
+        """SessionTooLong if ``new_tokens`` more would take the session past max_session_tokens. The fold path calls
+        this (through ``growing``) on the upstream's answer, and a streamed turn on each delta, before folding."""
+        self._check_tokens(len(session.sample.tokens) + new_tokens, "the session would hold")
+
+    @contextmanager
+    def growing(self, session: Session, new_tokens: int) -> Iterator[None]:
+        """Wrap one fold of ``new_tokens`` into ``session``: refused first (``check_room``) if it would pass the
+        token limit, then the byte count is brought up to date, whether the fold completed or not.
+
+        The byte limit is not checked here: a turn admitted by ``check_growth`` is folded even if other sessions
+        filled the store meanwhile (refusing it then would throw away the upstream's work, or an aborted turn's
+        tokens); the overshoot is bounded by the turns in flight.
+        """
+        self.check_room(session, new_tokens)
+        try:
+            yield
+        finally:
+            self._recount(session)
 
     @property
     def stored_bytes(self) -> int:
-        return sum(s.sample.stored_bytes for s in self._sessions.values())
+        """Bytes of session arrays held (slack included), O(1)."""
+        return self._stored_bytes
+
+    @property
+    def active(self) -> int:
+        """Sessions with a turn or append running, O(1)."""
+        return self._active
+
+    def _check_tokens(self, total: int, what: str) -> None:
+        limit = self._max_session_tokens
+        if limit is not None and total > limit:
+            raise SessionTooLong(
+                f"{what} {total} tokens, over the limit of {limit} per session",
+                setting="GATEWAY_MAX_SESSION_TOKENS",
+                limit=limit,
+                tokens=total,
+            )
+
+    def _check_store_room(self, new_bytes: int) -> None:
+        limit = self._max_stored_bytes
+        if limit is None:
+            return
+        if self._stored_bytes >= limit or (new_bytes and self._stored_bytes + new_bytes > limit):
+            raise StoreFull(
+                f"the sessions hold {self._stored_bytes} bytes, at the limit of {limit}: delete sessions (or let "
+                "them expire) to make room",
+                setting="GATEWAY_MAX_STORED_BYTES",
+                limit=limit,
+                stored_bytes=self._stored_bytes,
+            )
+
+    def _recount(self, session: Session) -> None:
+        """O(1): a sample's byte count is the sum over its few buffers."""
+        now = session.sample.stored_bytes
+        self._stored_bytes += now - session.counted_bytes
+        session.counted_bytes = now
+
+    def _drop(self, session: Session) -> None:
+        del self._sessions[session.session_id]
+        self._stored_bytes -= session.counted_bytes  # never busy: delete refuses a busy session, expiry skips it

@@ -30,11 +30,12 @@ from gateway.codec import (
     decode_generate_response,
     stream_error_payload,
 )
-from gateway.errors import GatewayError, InvalidRequest, UpstreamError, UpstreamProtocolError
+from gateway.errors import GatewayError, InvalidRequest, LimitExceeded, UpstreamError, UpstreamProtocolError
+from gateway.sample import ModelTurnPlan
 from gateway.schemas import TurnCreate
 from gateway.state import GatewayState
 from gateway.store import Session
-from slime_wire.http1 import Response
+from slime_wire.http1 import Body, Response
 from slime_wire.sse import SSEDecoder, SSEError
 
 log = logging.getLogger("gateway.turns")
@@ -100,26 +101,28 @@ def upstream_payload(session: Session, plan: TurnPlan, *, stream: bool = False) 
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def turn_summary(session: Session, plan: TurnPlan, turn: DecodedTurn, routing_rows: int | None) -> dict[str, Any]:
-    sample = session.sample
+def turn_summary(session: Session, plan: TurnPlan, model_turn: ModelTurnPlan) -> dict[str, Any]:
+    """What the caller gets back for a turn, from the session as it is now and the planned fold (so that it can be
+    built, and serialized, before the session changes)."""
+    sample, turn = session.sample, model_turn.turn
     return {
         "session_id": session.session_id,
-        "turn": len(sample.turns) - 1,
+        "turn": len(sample.turns),
         "rid": turn.rid or plan.rid,
         "new_token_ids": turn.token_ids.tolist(),
         "text": turn.text,
         "finish_reason": turn.finish_reason,
-        "status": sample.status.value,
+        "status": model_turn.status_after.value,
         "prompt_length": plan.prompt_length,
         "completion_tokens": turn.num_tokens,
-        "response_length": sample.response_length,
-        "total_tokens": len(sample.tokens),
+        "response_length": sample.response_length + turn.num_tokens,
+        "total_tokens": len(sample.tokens) + turn.num_tokens,
         "cached_tokens": turn.cached_tokens,
         "prompt_tokens": turn.prompt_tokens,
         "weight_version": turn.weight_version,
         "routed_experts_start_len": plan.routing_start_len if plan.want_routing else None,
-        "routed_experts_rows_received": routing_rows,
-        "routed_experts_rows": sample.routing_rows,
+        "routed_experts_rows_received": model_turn.record.routing_rows,
+        "routed_experts_rows": model_turn.routing_rows_after,
         "top_p_replay": plan.want_top_p,
         "spec_counters": turn.spec_counters,
     }
@@ -128,11 +131,20 @@ def turn_summary(session: Session, plan: TurnPlan, turn: DecodedTurn, routing_ro
 def fold(
     state: GatewayState, session: Session, plan: TurnPlan, turn: DecodedTurn, *, partial: bool = False
 ) -> dict[str, Any]:
-    record = session.sample.fold_model_turn(turn, routing_start_len=plan.routing_start_len)
+    """All or nothing: the fold is planned (every check) and the caller's answer serialized before the session
+    changes, so a failure at any step leaves it byte-identical and servable."""
+    model_turn = session.sample.plan_model_turn(turn, routing_start_len=plan.routing_start_len)
+    summary = turn_summary(session, plan, model_turn)
+    try:
+        orjson.dumps(summary)
+    except (TypeError, orjson.JSONEncodeError) as exc:  # the codec bounds every field; this is the last line
+        raise UpstreamProtocolError(f"the upstream answer cannot be stored: {exc}") from None
+    with state.store.growing(session, turn.num_tokens):  # refused past max_session_tokens; keeps the byte count
+        session.sample.apply_model_turn(model_turn)
     state.metrics.turns.labels("model", "partial" if partial else (turn.finish_type or "none")).inc()
     state.metrics.folded_tokens.labels("true").inc(turn.num_tokens)
     log.debug("session %s: +%d tokens (%s)", session.session_id, turn.num_tokens, turn.finish_type)
-    return turn_summary(session, plan, turn, record.routing_rows)
+    return summary
 
 
 def check_answer_belongs(plan: TurnPlan, turn: DecodedTurn) -> None:
@@ -178,13 +190,43 @@ class TurnHandle:
         self._done.set()
 
 
+class UnaryTurn(TurnHandle):
+    """A unary turn: its upstream call runs in a task of its own, so that an abort can cut it."""
+
+    def __init__(self, state: GatewayState, session: Session, plan: TurnPlan) -> None:
+        super().__init__(state, plan)
+        body = upstream_payload(session, plan)
+        self.call = asyncio.create_task(
+            state.upstream.post_generate(body, routing_key=session.session_id), name=f"generate-{plan.rid}"
+        )
+
+    async def _abort_upstream(self) -> None:
+        # A worker ends an aborted rid itself, answering with its partial tokens and replay data. A router has no
+        # abort route: there (or if the worker does not end it in time) closing the connection is what aborts it.
+        if await self.state.upstream.abort_request(self.rid) and await self.wait(ABORT_GRACE_S):
+            return
+        self.call.cancel()
+
+    async def answer(self) -> Body | None:
+        """The upstream's answer, or None when an abort cut the call before it came."""
+        try:
+            return await self.call
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self.abort_reason is None or (current is not None and current.cancelling()):
+                raise  # not our abort: the caller's request itself is being cancelled
+            return None
+
+
 async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -> dict[str, Any]:
     """A unary turn; runs with the session held exclusively (see ``SessionStore.exclusive``)."""
     plan = plan_turn(session, request, incremental_routing=state.settings.incremental_routing)
-    handle = TurnHandle(state, plan)
+    handle = UnaryTurn(state, session, plan)
     session.running = handle
     try:
-        answer = await state.upstream.post_generate(upstream_payload(session, plan), routing_key=session.session_id)
+        answer = await handle.answer()
+        if answer is None:  # aborted before any answer: an empty aborted turn, so the session says so
+            return fold(state, session, plan, aborted_turn(plan.rid, handle.abort_reason or "aborted"), partial=True)
         try:
             turn = await state.decode(
                 "answer",
@@ -196,7 +238,16 @@ async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -
         check_answer_belongs(plan, turn)
         return fold(state, session, plan, turn)
     finally:
+        handle.call.cancel()  # a no-op once it is done; else the caller went away and the connection must close
         handle.finished()
+
+
+def aborted_turn(rid: str, reason: str, **received: Any) -> DecodedTurn:
+    """A turn that an abort ended with what had arrived (``received``: token ids, log-probs, text, top-p spans)."""
+    received.setdefault("token_ids", np.empty(0, np.int32))
+    received.setdefault("log_probs", np.empty(0, np.float32))
+    received.setdefault("text", "")
+    return DecodedTurn(finish_reason={"type": "abort", "message": reason}, rid=rid, **received)
 
 
 async def open_stream_turn(state: GatewayState, session: Session, request: TurnCreate) -> StreamTurn:
@@ -265,8 +316,8 @@ class StreamTurn(TurnHandle):
             self.events.put_nowait({"type": "turn", **self._fold_partial(self.abort_reason or "gateway shutdown")})
             if self.abort_reason is None:
                 raise  # not our own hard stop: shutdown
-        except UpstreamProtocolError as exc:
-            # An invalid answer changes nothing, exactly as in a unary turn.
+        except (UpstreamProtocolError, LimitExceeded) as exc:
+            # An invalid or over-limit answer changes nothing, exactly as in a unary turn.
             self.state.metrics.record_error(exc)
             self.events.put_nowait({"type": "error", "error": exc.to_body()["error"], "turn": None})
         except GatewayError as error:
@@ -356,6 +407,8 @@ class StreamTurn(TurnHandle):
     def _take(self, delta: StreamDelta) -> None:
         if not len(delta.token_ids) and not delta.text:
             return
+        # Past max_session_tokens the stream is cut here (LimitExceeded): no fold, partial or not, could take it.
+        self.state.store.check_room(self.session, len(self.token_ids) + len(delta.token_ids))
         self.token_ids.append(delta.token_ids)
         self.log_probs.append(delta.log_probs)
         self.text_parts.append(delta.text)
@@ -377,12 +430,12 @@ class StreamTurn(TurnHandle):
         """
         n = len(self.token_ids)
         no_spans = (np.empty(0, np.int32), np.zeros(n + 1, np.int32)) if self.plan.want_top_p else (None, None)
-        turn = DecodedTurn(
+        turn = aborted_turn(
+            self.rid,
+            reason,
             token_ids=self.token_ids.view(),
             log_probs=self.log_probs.view(),
             text="".join(self.text_parts),
-            finish_reason={"type": "abort", "message": reason},
-            rid=self.rid,
             top_p_ids=no_spans[0],
             top_p_offsets=no_spans[1],
         )

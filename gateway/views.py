@@ -29,7 +29,7 @@ def session_summary(session: Session) -> dict[str, Any]:
     }
 
 
-def session_view(session: Session, *, full: bool = False) -> dict[str, Any]:
+def session_view(session: Session) -> dict[str, Any]:
     sample = session.sample
     arrays = sample.arrays()
     view = session_summary(session) | {
@@ -50,9 +50,45 @@ def session_view(session: Session, *, full: bool = False) -> dict[str, Any]:
         "last_tokens": arrays["tokens"][-LAST_TOKENS_SHOWN:].tolist(),
         "turn_log": [t.to_json() for t in sample.turns],
     }
-    if full:
-        view["full"] = {name: a.tolist() for name, a in arrays.items()}
     return view
+
+
+# Elements per orjson call when a full view is encoded: ~0.5 ms each, so the thread doing it hands the GIL (and the
+# event loop) back every few ms instead of holding it for the ~100 ms of a 10k-token MoE session's arrays.
+FULL_VIEW_SLICE_ELEMENTS = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class FullView:
+    """``GET /v1/sessions/{id}?full=true``: the view plus every array as JSON lists. Taken on the event loop (the
+    arrays are views, safe to read from another thread: see ``SamplePayload``), encoded by ``encode`` off it."""
+
+    view: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def encode(self) -> bytes:
+        full = b",".join(b'"%s":%s' % (name.encode(), _json_array(a)) for name, a in self.arrays.items())
+        return orjson.dumps(self.view)[:-1] + b',"full":{' + full + b"}}"
+
+
+def full_view(session: Session) -> FullView:
+    return FullView(session_view(session), session.sample.arrays())
+
+
+def _json_array(values: np.ndarray) -> bytes:
+    """``values`` as nested JSON lists, encoded a slice of rows at a time."""
+    if not len(values):
+        return b"[]"
+    rows = max(1, FULL_VIEW_SLICE_ELEMENTS // max(1, values[0].size))
+    pieces = [
+        orjson.dumps(values[start : start + rows], option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
+        for start in range(0, len(values), rows)
+    ]
+    return b"[" + b",".join(pieces) + b"]"
 
 
 def sample_metadata(session: Session) -> dict[str, str]:

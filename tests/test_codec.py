@@ -1,4 +1,4 @@
-"""The pure codec: SGLang answers -> validated compact arrays (PROTOCOL.md section 2), samples -> safetensors."""
+"""The pure codec: SGLang answers -> validated compact arrays (docs/protocol.md section 2), samples -> safetensors."""
 
 from __future__ import annotations
 
@@ -124,6 +124,14 @@ LOGPROB_ITEMS: dict[str, Any] = {
     "negative token id": [[-0.5, -1, "a"]],
     "token id beyond int32": [[-0.5, 2**31, "a"]],
     "token id beyond int64": [[-0.5, 2**64 - 1, "a"]],
+    "float token id": [[-0.5, 10.7, "a"]],
+    "integral float token id": [[-0.5, 10.0, "a"]],
+    "boolean token id": [[-0.5, True, "a"]],
+    "string token id": [[-0.5, "10", "a"]],
+    "boolean log-prob": [[False, 1, "a"]],
+    "positive log-prob": [[0.25, 1, "a"]],
+    "item a string": ["ab"],
+    "item an object": [{"0": -0.5, "1": 1}],
 }
 
 BAD_BODIES: dict[str, bytes] = {
@@ -142,6 +150,24 @@ BAD_BODIES: dict[str, bytes] = {
     "boolean counter": body(prompt_tokens=True),
     "list counter": body(completion_tokens=[3]),
     "non-numeric spec counter": body(spec_verify_ct="x"),
+    "float counter": body(cached_tokens=3.5),
+    "integral float counter": body(prompt_tokens=2.0),
+    "negative counter": body(completion_tokens=-1),
+    "counter beyond int32": body(spec_verify_ct=2**31),
+    "counter beyond 64 bits": body(cached_tokens=12345).replace(b"12345", b"%d" % 2**64),
+    "prompt_tokens beyond 64 bits": body(prompt_tokens=12345).replace(b"12345", b"%d" % 2**70),
+    "spec counter beyond 64 bits": body(spec_accept_token_num=12345).replace(b"12345", b"%d" % 2**64),
+    "finish_reason nested 300 deep": body(finish_reason={"type": "stop", "matched": "NEST"}).replace(
+        b'"NEST"', b"[" * 300 + b"]" * 300
+    ),
+    "finish_reason huge": body(finish_reason={"type": "stop", "matched": "x" * 10_000}),
+    "finish_reason with an int beyond 64 bits": body(finish_reason={"type": "stop", "matched": 12345}).replace(
+        b"12345", b"%d" % 2**64
+    ),
+    "weight_version an object": body(weight_version={"v": 1}),
+    "weight_version a list": body(weight_version=["v1"]),
+    "weight_version a boolean": body(weight_version=True),
+    "weight_version too long": body(weight_version="v" * 1000),
     "text not a string": orjson.dumps({**answer(), "text": ["abc"]}),
     **{f"output_token_logprobs {name}": body(output_token_logprobs=items) for name, items in LOGPROB_ITEMS.items()},
     "routing bad base64": body(routed_experts="@@@@"),
@@ -163,6 +189,16 @@ def test_rejects_bad_answers(data: bytes) -> None:
     assert type(info.value) is UpstreamProtocolError  # not ReplayDataDropped: the data is there but wrong
     assert info.value.status_code == 502
     assert info.value.to_body()["error"]["type"] == "upstream_protocol_error"
+
+
+def test_weight_version_numbers_become_their_decimal_form() -> None:
+    assert decode(body(weight_version=7)).weight_version == "7"
+    assert decode(body(weight_version=1.5)).weight_version == "1.5"
+
+
+def test_zero_log_prob_and_integer_log_prob_are_valid() -> None:
+    ids, log_probs = decode_output_token_logprobs([[0.0, 1, None], [0, 2, None], [-3, 3, None]])
+    assert ids.tolist() == [1, 2, 3] and log_probs.tolist() == [0.0, 0.0, -3.0]
 
 
 def test_non_finite_counters_from_python_objects() -> None:

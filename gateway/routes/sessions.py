@@ -11,7 +11,7 @@ from gateway.sample import MoEShape, SessionSample
 from gateway.schemas import SampleBatchBody, SessionCreateBody, ToolAppendBody, TurnCreate, TurnCreateBody
 from gateway.state import StateDep
 from gateway.turns import ABORT_GRACE_S, open_stream_turn, run_turn
-from gateway.views import group_payload, sample_payload, session_summary, session_view
+from gateway.views import full_view, group_payload, sample_payload, session_summary, session_view
 
 router = APIRouter(prefix="/v1", tags=["sessions"])
 ABORT_WAIT_S = ABORT_GRACE_S + 2.0
@@ -37,7 +37,11 @@ async def list_sessions(state: StateDep) -> Response:
 
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, state: StateDep, full: bool = False) -> Response:
-    return json_response(session_view(state.store.get(session_id), full=full))
+    session = state.store.get(session_id)
+    if not full:
+        return json_response(session_view(session))
+    view = full_view(session)
+    return Response(await state.run_cpu(view.nbytes, view.encode), media_type="application/json")
 
 
 @router.delete("/sessions/{session_id}", status_code=204)
@@ -51,12 +55,14 @@ async def generate(session_id: str, body: TurnCreateBody, state: StateDep) -> Re
     if body.stream:
         return await _stream_turn(session_id, body, state)
     async with state.store.exclusive(session_id) as session:
+        state.store.check_growth(session)  # the answer itself is checked again before it is folded
         return json_response(await run_turn(state, session, body))
 
 
 async def _stream_turn(session_id: str, body: TurnCreate, state: StateDep) -> Response:
     session = state.store.acquire(session_id)
     try:
+        state.store.check_growth(session)
         turn = await open_stream_turn(state, session, body)
     except BaseException:
         state.store.release(session)  # nothing was sent to the caller yet: a plain HTTP error
@@ -82,7 +88,9 @@ async def abort(session_id: str, state: StateDep) -> Response:
 @router.post("/sessions/{session_id}/append")
 async def append(session_id: str, body: ToolAppendBody, state: StateDep) -> Response:
     async with state.store.exclusive(session_id) as session:
-        session.sample.append_tool_tokens(np.asarray(body.token_ids, dtype=np.int32), body.text)
+        state.store.check_growth(session, len(body.token_ids))
+        with state.store.growing(session, len(body.token_ids)):
+            session.sample.append_tool_tokens(np.asarray(body.token_ids, dtype=np.int32), body.text)
         state.metrics.turns.labels("tool", "appended").inc()
         state.metrics.folded_tokens.labels("false").inc(len(body.token_ids))
         return json_response(session_summary(session))

@@ -1,0 +1,239 @@
+"""Client connections: a deadline for the request head, a cap on open connections, and the open-files limit.
+
+uvicorn (0.54, ``protocols/http/httptools_impl.py``) has no timeout for a connection that never completes a request
+head: its only timer is the keep-alive one, armed after a response. A connection that sends nothing, or a partial
+head, is held forever, and ``limit_concurrency`` counts those connections too, so at the limit it answers every new
+request, ``/health`` included, 503. ``GuardedHttpToolsProtocol`` (uvicorn's httptools protocol, passed as
+``uvicorn.run(http=...)``) adds what is missing:
+
+- the head deadline: a connection whose head is not complete ``header_timeout_s`` after it opened (or, on a kept-alive
+  connection, after the head's first byte) is closed: silently if nothing came, with a 408 ``header_timeout`` if
+  part of a head did;
+- the cap: past ``max_client_connections`` a new connection closes the connection idle longest (waiting for a head,
+  or kept alive between requests). Only a server whose every connection has a request in flight refuses the new one
+  (503 ``too_many_connections``). So a flood of half-open connections costs the flooder its oldest ones, while
+  ``/health`` and real callers keep getting in, and the process never runs out of file descriptors;
+- a deadline for the rest of a body answered early (a 413 sent before the body was read): uvicorn reads it and
+  drops it, so that the client, still sending, gets the answer rather than a reset; if the body has not ended
+  ``header_timeout_s`` after the answer (an endless or stalled body), the connection is closed.
+
+``fit_open_files_limit`` raises the process's ``RLIMIT_NOFILE`` soft limit to what the caps need, up to the hard
+limit (lowering the client cap to what the hard limit allows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+import resource
+from collections import OrderedDict
+from typing import Any, ClassVar
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.errors import GatewayError, HeaderTimeout, TooManyConnections
+
+log = logging.getLogger("gateway.connections")
+
+# File descriptors beyond the client and upstream connections: the listening socket, logs, the event loop's own,
+# worker threads, and a burst of accepted connections whose evictions have not been processed yet.
+SPARE_FDS = 256
+MIN_CLIENT_CONNECTIONS = 16
+
+
+class ConnectionGuard:
+    """The client connections of one server: idle ones in the order they became idle, and the busy ones (a request
+    in flight). Every operation is O(1)."""
+
+    def __init__(self, max_connections: int, header_timeout_s: float) -> None:
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self._idle: OrderedDict[GuardedHttpToolsProtocol, None] = OrderedDict()
+        self._busy: set[GuardedHttpToolsProtocol] = set()
+        self.closed = {"header_timeout": 0, "evicted": 0, "refused": 0}
+
+    @property
+    def open(self) -> int:
+        return len(self._idle) + len(self._busy)
+
+    def admit(self, connection: GuardedHttpToolsProtocol) -> bool:
+        """Take a new connection (idle until its head is complete). At the cap, the connection idle longest is closed
+        to make room; False if none is idle: the caller refuses the new one."""
+        if self.open >= self.max_connections:
+            if not self._idle:
+                self.closed["refused"] += 1
+                return False
+            oldest, _ = self._idle.popitem(last=False)
+            self.closed["evicted"] += 1
+            oldest.evict()
+        self._idle[connection] = None
+        return True
+
+    def busy(self, connection: GuardedHttpToolsProtocol) -> None:
+        if connection in self._idle:  # not when a pipelined request follows one in flight: busy already
+            del self._idle[connection]
+            self._busy.add(connection)
+
+    def idle(self, connection: GuardedHttpToolsProtocol) -> None:
+        if connection in self._busy:
+            self._busy.discard(connection)
+            self._idle[connection] = None
+
+    def forget(self, connection: GuardedHttpToolsProtocol) -> None:
+        self._idle.pop(connection, None)
+        self._busy.discard(connection)
+
+    def protocol_class(self) -> type[GuardedHttpToolsProtocol]:
+        """The protocol class for ``uvicorn.run(http=...)``, bound to this guard."""
+        return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"guard": self})
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the head deadline and the connection cap of ``guard``."""
+
+    guard: ClassVar[ConnectionGuard]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_deadline: asyncio.TimerHandle | None = None
+        self._head_started = False
+        self._drop_deadline: asyncio.TimerHandle | None = None
+
+    # ---- the connection's life -----------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if not self.guard.admit(self):
+            self._close_with(
+                TooManyConnections(
+                    f"the gateway holds {self.guard.max_connections} client connections, each with a request in flight",
+                    setting="GATEWAY_MAX_CLIENT_CONNECTIONS",
+                    limit=self.guard.max_connections,
+                )
+            )
+            return
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_deadline()
+        self._disarm_drop_deadline()
+        self.guard.forget(self)
+        super().connection_lost(exc)
+
+    def evict(self) -> None:
+        """Closed to make room for a new connection (it had no request in flight)."""
+        self._disarm_head_deadline()
+        self.transport.close()
+
+    # ---- request heads (httptools parser callbacks) ----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_started = True
+        if self._head_deadline is None:  # a next request on a kept-alive connection: its head's deadline starts now
+            self._arm_head_deadline()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_head_deadline()
+        self._head_started = False
+        self.guard.busy(self)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm_drop_deadline()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        if self.cycle.more_body and not self.transport.is_closing():
+            # Answered before its body ended (a 413): the rest is read and dropped, for a while.
+            self._drop_deadline = self.loop.call_later(self.guard.header_timeout_s, self.transport.close)
+        super().on_response_complete()
+        if self.cycle is None or self.cycle.response_complete:  # not a pipelined request started in its place
+            self.guard.idle(self)
+
+    # ---- the deadlines -----------------------------------------------------------------------------------------------
+    def _arm_head_deadline(self) -> None:
+        self._head_deadline = self.loop.call_later(self.guard.header_timeout_s, self._head_deadline_passed)
+
+    def _disarm_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _disarm_drop_deadline(self) -> None:
+        if self._drop_deadline is not None:
+            self._drop_deadline.cancel()
+            self._drop_deadline = None
+
+    def _head_deadline_passed(self) -> None:
+        self._head_deadline = None
+        if self.transport.is_closing():
+            return
+        self.guard.closed["header_timeout"] += 1
+        if not self._head_started:
+            # Nothing came: no request to answer (a client that opened a connection ahead of time sees it closed,
+            # never a response to a request it has not sent yet).
+            self.transport.close()
+            return
+        timeout = self.guard.header_timeout_s
+        self._close_with(
+            HeaderTimeout(
+                f"the request head was not complete within {timeout:g} s",
+                setting="GATEWAY_HEADER_TIMEOUT_S",
+                limit=timeout,
+            )
+        )
+
+    def _close_with(self, error: GatewayError) -> None:
+        self.transport.write(raw_error_response(error))
+        self.transport.close()
+
+
+def raw_error_response(error: GatewayError) -> bytes:
+    """A whole HTTP/1.1 response carrying ``error``'s JSON body, for refusals made below the ASGI app."""
+    body = orjson.dumps(error.to_body())
+    phrase = http.HTTPStatus(error.status_code).phrase
+    head = (
+        f"HTTP/1.1 {error.status_code} {phrase}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def fit_open_files_limit(client_connections: int, upstream_connections: int) -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to what ``client_connections`` + ``upstream_connections`` + ``SPARE_FDS``
+    need, up to the hard limit. Returns the client-connection cap the limit allows (``client_connections``, or less
+    when the hard limit is too low, with a warning)."""
+    needed = client_connections + upstream_connections + SPARE_FDS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        log.info("open files limit %s: room for %d client connections", _fds(soft), client_connections)
+        return client_connections
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        log.info(
+            "open files limit raised from %d to %d (hard limit %s): %d client + %d upstream connections + %d spare",
+            soft,
+            target,
+            _fds(hard),
+            client_connections,
+            upstream_connections,
+            SPARE_FDS,
+        )
+    allowed = max(MIN_CLIENT_CONNECTIONS, target - upstream_connections - SPARE_FDS)
+    if allowed < client_connections:
+        log.warning(
+            "the open files hard limit (%d) leaves room for %d client connections: GATEWAY_MAX_CLIENT_CONNECTIONS=%d "
+            "lowered to %d (raise the hard limit, e.g. `ulimit -Hn` or docker --ulimit nofile=, to keep it)",
+            hard,
+            allowed,
+            client_connections,
+            allowed,
+        )
+        return allowed
+    return client_connections
+
+
+def _fds(value: int) -> str:
+    return "unlimited" if value == resource.RLIM_INFINITY else str(value)
