@@ -9,7 +9,8 @@ base64, numpy) are translated into it at one boundary each, with ``raise ... fro
     ├── SessionNotFound                 404 session_not_found
     ├── SessionConflict                 409 session_conflict
     │   ├── SessionExists               409 session_exists       create with an id already taken
-    │   └── SessionBusy                 409 session_busy         a turn is already running on it
+    │   ├── SessionBusy                 409 session_busy         a turn is already running on it
+    │   └── SessionMismatch             409 session_mismatch     the session is not what the caller's ``sync`` says
     ├── NotFound                        404 not_found            no route has this path
     ├── MethodNotAllowed                405 method_not_allowed   the path exists, not with this method (Allow header)
     ├── LimitExceeded                   413 limit_exceeded       a GATEWAY_* limit refused the request
@@ -90,6 +91,13 @@ class SessionExists(SessionConflict):
 
 class SessionBusy(SessionConflict):
     error_type = "session_busy"
+
+
+class SessionMismatch(SessionConflict):
+    """The caller's idea of the session (``sync``: its length and last tokens) is out of date; the details say
+    what the session holds, so the caller can catch up without asking."""
+
+    error_type = "session_mismatch"
 
 
 class NotFound(GatewayError):

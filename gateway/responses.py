@@ -15,5 +15,5 @@ def json_response(content: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(content), status_code=status_code, media_type="application/json")
 
 
-def safetensors_response(body: bytes) -> Response:
-    return Response(body, media_type=SAFETENSORS_MEDIA_TYPE)
+def safetensors_response(body: bytes, status_code: int = 200) -> Response:
+    return Response(body, status_code=status_code, media_type=SAFETENSORS_MEDIA_TYPE)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from gateway.buffers import GrowableArray
-from gateway.codec import INT32_MAX, DecodedTurn, narrowest_unsigned, unsigned_max
+from gateway.codec import INT32_MAX, DecodedTurn, VersionSpan, narrowest_unsigned, unsigned_max
 from gateway.errors import InvalidRequest, UpstreamProtocolError
 
 
@@ -28,6 +28,8 @@ class Status(enum.StrEnum):
 
 
 FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+# ``weight_version_ids`` of a token no weights produced (tool/environment tokens) or of an unknown version.
+UNKNOWN_VERSION_ID = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,15 @@ class RoutingPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class VersionPlan:
+    """How a turn's weight versions land in the state: versions new to the session's table, and the table index of
+    each new token (``UNKNOWN_VERSION_ID`` where the version is unknown)."""
+
+    new_versions: tuple[str, ...]
+    ids: np.ndarray  # int32 [num_tokens]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelTurnPlan:
     """A model answer checked against the session: everything ``apply_model_turn`` will do, decided up front."""
 
@@ -59,6 +70,7 @@ class ModelTurnPlan:
     record: TurnRecord
     status_after: Status
     routing_rows_after: int
+    versions: VersionPlan
 
 
 @dataclass(slots=True)
@@ -71,6 +83,9 @@ class TurnRecord:
     weight_version: str | None = None
     cached_tokens: int = 0
     routing_rows: int | None = None
+    # model turns: which weights produced which of the turn's tokens ({"version", "start", "end"}, version null when
+    # unknown), positions counted from the turn's first token
+    weight_version_spans: list[dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self.__slots__}
@@ -89,7 +104,13 @@ class SessionSample:
     top_p_offsets: GrowableArray | None = None
     routed_experts: GrowableArray | None = None
     status: Status = Status.PENDING
-    weight_versions: list[str] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)  # slime's: one entry per finished model turn
+    # Per response token, which weights produced it: an index into ``weight_version_table`` (distinct versions in
+    # first-seen order), UNKNOWN_VERSION_ID for tool tokens and unknown versions. Off-policy correction needs it
+    # per token: a partial rollout resumed after a weight update, or an update landing mid-answer, mixes versions
+    # (docs/protocol.md section 6.7).
+    weight_version_table: list[str] = field(default_factory=list)
+    weight_version_ids: GrowableArray = field(default_factory=lambda: GrowableArray(np.int32))
     cached_tokens: int = 0
     prompt_tokens: int = 0
     spec_counters: dict[str, int] = field(default_factory=dict)
@@ -122,7 +143,15 @@ class SessionSample:
 
     @property
     def stored_bytes(self) -> int:
-        buffers = (self.tokens, self.loss_mask, self.log_probs, self.top_p_ids, self.top_p_offsets, self.routed_experts)
+        buffers = (
+            self.tokens,
+            self.loss_mask,
+            self.log_probs,
+            self.weight_version_ids,
+            self.top_p_ids,
+            self.top_p_offsets,
+            self.routed_experts,
+        )
         return sum(b.nbytes for b in buffers if b is not None)
 
     # ---- the fold ------------------------------------------------------------------------------------------
@@ -144,6 +173,8 @@ class SessionSample:
         n = turn.num_tokens
         routing = self._plan_routing(turn, len(self.tokens) + n, routing_start_len)
         self._check_top_p(turn, n)
+        spans = turn.token_version_spans
+        versions = self._plan_versions(spans, n)
         record = TurnRecord(
             kind="model",
             num_tokens=n,
@@ -151,10 +182,11 @@ class SessionSample:
             weight_version=turn.weight_version,
             cached_tokens=turn.cached_tokens,
             routing_rows=None if routing is None else len(routing.rows),
+            weight_version_spans=[span.to_json() for span in spans],
         )
         status = FINISH_TO_STATUS.get(turn.finish_type or "", self.status) if turn.finish_reason else self.status
         rows_after = self.routing_rows if routing is None else routing.keep_rows + len(routing.rows)
-        return ModelTurnPlan(turn, routing, record, status, rows_after)
+        return ModelTurnPlan(turn, routing, record, status, rows_after, versions)
 
     def apply_model_turn(self, plan: ModelTurnPlan) -> TurnRecord:
         """Fold a planned answer in. Nothing here can fail on the answer's content (``plan_model_turn`` checked
@@ -166,6 +198,8 @@ class SessionSample:
             self._merge_top_p(turn.top_p_ids, turn.top_p_offsets)
         if plan.routing is not None:
             self._apply_routing(plan.routing)
+        self.weight_version_table.extend(plan.versions.new_versions)
+        self.weight_version_ids.append(plan.versions.ids)
         if turn.finish_reason is not None:
             self._apply_terminal_info(turn)
         self.status = plan.status_after
@@ -173,8 +207,9 @@ class SessionSample:
         return plan.record
 
     def append_tool_tokens(self, token_ids: np.ndarray, text: str | None = None) -> TurnRecord:
-        """Tool/environment tokens: not trainable (loss mask 0, log-prob 0.0, empty top-p spans)."""
+        """Tool/environment tokens: not trainable (loss mask 0, log-prob 0.0, empty top-p spans, no weight version)."""
         self._append_tokens(token_ids, trainable=False, log_probs=None, text=text)
+        self.weight_version_ids.append_repeat(UNKNOWN_VERSION_ID, len(token_ids))
         if self.top_p_offsets is not None:
             self.top_p_offsets.append_repeat(self.top_p_offsets.last(), len(token_ids))
         record = TurnRecord(kind="tool", num_tokens=len(token_ids))
@@ -204,6 +239,25 @@ class SessionSample:
             raise UpstreamProtocolError(
                 "top-p replay data arrived for a session whose earlier response tokens have none"
             )
+
+    def _plan_versions(self, spans: tuple[VersionSpan, ...], n: int) -> VersionPlan:
+        """Table indices for the turn's tokens, reusing the session's entries; a version seen first here is added
+        after the existing ones (so earlier ids never change)."""
+        _check_spans_cover(spans, n)
+        index = {version: i for i, version in enumerate(self.weight_version_table)}
+        new_versions: list[str] = []
+        ids = np.empty(n, dtype=np.int32)
+        for span in spans:
+            version = span.version
+            if version is None:
+                version_id = UNKNOWN_VERSION_ID
+            elif version in index:
+                version_id = index[version]
+            else:
+                version_id = index[version] = len(index)
+                new_versions.append(version)
+            ids[span.start : span.end] = version_id
+        return VersionPlan(tuple(new_versions), ids)
 
     def _merge_top_p(self, ids: np.ndarray, offsets: np.ndarray) -> None:
         if self.top_p_offsets is None or self.top_p_ids is None:
@@ -279,6 +333,7 @@ class SessionSample:
             out["rollout_top_p_token_offsets"] = self.top_p_offsets.view()
         if self.routed_experts is not None:
             out["rollout_routed_experts"] = self.routed_experts.view()
+        out["rollout_weight_version_ids"] = self.weight_version_ids.view()
         return out
 
     def check_invariants(self) -> None:
@@ -290,3 +345,25 @@ class SessionSample:
             assert self.top_p_offsets.last() == len(self.top_p_ids), "top_p_offsets[-1] != len(top_p_ids)"
         if self.routed_experts is not None:
             assert len(self.routed_experts) <= max(0, len(self.tokens) - 1), "more routing rows than positions"
+        ids = self.weight_version_ids.view()
+        assert len(ids) == n, "len(weight_version_ids) != response_length"
+        assert not len(ids) or UNKNOWN_VERSION_ID <= ids.min() <= ids.max() < len(self.weight_version_table), (
+            "weight_version_ids outside the version table"
+        )
+        assert len(set(self.weight_version_table)) == len(self.weight_version_table), "repeated table entries"
+
+
+def _check_spans_cover(spans: tuple[VersionSpan, ...], n: int) -> None:
+    """The codec checks SGLang's spans; a partial turn's come from the stream decoder. Checked again here so that no
+    turn can leave a token without its version, or give one two."""
+    covered = 0
+    for span in spans:
+        if span.start != covered or span.end <= span.start:
+            break
+        covered = span.end
+    else:
+        if covered == n:
+            return
+    raise UpstreamProtocolError(
+        f"the turn's weight version spans {[span.to_json() for span in spans]!r:.200} do not cover its {n} tokens"
+    )

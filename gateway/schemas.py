@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from fastapi import Depends, Request
@@ -30,6 +30,7 @@ MAX_JSON_DEPTH = 32
 MAX_METADATA_BYTES = 64 * 1024
 MAX_NUM_LAYERS = 1024  # DeepSeek-V3: 61, Qwen3-235B: 94
 MAX_MOE_TOPK = 256
+MAX_SYNC_TOKENS = 64
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 SessionId = Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@-]+$")]
@@ -120,6 +121,50 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class SessionSync(_Body):
+    """What the caller believes the session holds. Checked before anything changes (409 ``session_mismatch``
+    otherwise): a caller that keeps its own copy of the tokens (the slime drop-in) goes straight to the turn
+    instead of asking for the session's state first."""
+
+    total_tokens: Annotated[StrictInt, Field(ge=1)]
+    last_tokens: Annotated[list[TokenId], Field(max_length=MAX_SYNC_TOKENS)] = Field(default_factory=list)
+
+
+# After a unary turn: keep the session ("never" delete it), delete it ("always"), or delete it only once its
+# sample is finished (completed or truncated: slime never resumes it), keeping pending and aborted ones.
+DeleteAfterTurn = Literal["never", "always", "if_finished"]
+
+
+class TurnCreate(_Body):
+    sampling_params: SamplingParamsDict = Field(default_factory=dict)
+    return_routed_experts: StrictBool | None = None
+    stream: StrictBool = False
+    sync: SessionSync | None = None
+    delete_after_turn: DeleteAfterTurn = "never"
+
+    @model_validator(mode="after")
+    def _streams_keep_their_session(self) -> TurnCreate:
+        if self.stream and self.delete_after_turn != "never":
+            raise ValueError("delete_after_turn is for unary turns (a streamed turn's caller may leave mid-way)")
+        return self
+
+
+class FirstTurn(TurnCreate):
+    """``POST /v1/sessions`` with ``generate``: the session and its first turn in one round trip."""
+
+    @model_validator(mode="after")
+    def _unary_and_unsynced(self) -> FirstTurn:
+        if self.stream or self.sync is not None:
+            raise ValueError("the first turn of a new session is unary and has nothing to sync")
+        return self
+
+
+class ToolAppend(_Body):
+    token_ids: TokenIds
+    text: StrictStr | None = None
+    sync: SessionSync | None = None
+
+
 class SessionCreate(_Body):
     prompt_ids: TokenIds  # an int32 array, not a Python int per token
     num_layers: Annotated[StrictInt, Field(gt=0, le=MAX_NUM_LAYERS)] | None = None
@@ -127,23 +172,13 @@ class SessionCreate(_Body):
     session_id: SessionId | None = None
     metadata: Metadata | None = None
     sampling_defaults: SamplingParamsDict | None = None
+    generate: FirstTurn | None = None  # run the first model turn at once
 
     @model_validator(mode="after")
     def _moe_shape_complete(self) -> SessionCreate:
         if (self.num_layers is None) != (self.moe_router_topk is None):
             raise ValueError("give both num_layers and moe_router_topk (the MoE routing shape) or neither")
         return self
-
-
-class TurnCreate(_Body):
-    sampling_params: SamplingParamsDict = Field(default_factory=dict)
-    return_routed_experts: StrictBool | None = None
-    stream: StrictBool = False
-
-
-class ToolAppend(_Body):
-    token_ids: TokenIds
-    text: StrictStr | None = None
 
 
 class SampleBatchRequest(_Body):

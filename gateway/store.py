@@ -14,7 +14,15 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.errors import SessionBusy, SessionExists, SessionNotFound, SessionTooLong, StoreFull, TooManySessions
+from gateway.errors import (
+    SessionBusy,
+    SessionExists,
+    SessionMismatch,
+    SessionNotFound,
+    SessionTooLong,
+    StoreFull,
+    TooManySessions,
+)
 from gateway.sample import SessionSample
 
 
@@ -42,6 +50,20 @@ class Session:
 
     def touch(self) -> None:
         self.updated_at = time.time()
+
+    def check_sync(self, total_tokens: int, last_tokens: list[int]) -> None:
+        """Raise ``SessionMismatch`` unless the session holds ``total_tokens`` tokens ending with ``last_tokens``
+        (what a caller keeping its own copy believes), naming what it does hold."""
+        tokens = self.sample.tokens.view()
+        if len(tokens) == total_tokens and tokens[len(tokens) - len(last_tokens) :].tolist() == last_tokens:
+            return
+        raise SessionMismatch(
+            f"session {self.session_id!r} holds {len(tokens)} tokens, not the {total_tokens} the request expects "
+            "(or they end differently)",
+            session_id=self.session_id,
+            total_tokens=len(tokens),
+            last_tokens=tokens[-len(last_tokens) :].tolist() if last_tokens else [],
+        )
 
 
 class SessionStore:

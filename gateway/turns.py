@@ -61,6 +61,8 @@ class TurnPlan:
 
 
 def plan_turn(session: Session, request: TurnCreate, *, incremental_routing: bool = True) -> TurnPlan:
+    if request.sync is not None:
+        session.check_sync(request.sync.total_tokens, request.sync.last_tokens)
     sample = session.sample
     want_routing = sample.moe is not None if request.return_routed_experts is None else request.return_routed_experts
     if want_routing and sample.moe is None:
@@ -128,9 +130,19 @@ def turn_summary(session: Session, plan: TurnPlan, model_turn: ModelTurnPlan) ->
     }
 
 
+@dataclass(frozen=True, slots=True)
+class FoldedTurn:
+    """A turn folded into its session: the caller's summary, and the plan that was applied (its arrays are this
+    turn's own tensors, see ``gateway.views.turn_payload``)."""
+
+    summary: dict[str, Any]
+    plan: ModelTurnPlan
+    version_table: tuple[str, ...]  # the session's weight version table after the fold
+
+
 def fold(
     state: GatewayState, session: Session, plan: TurnPlan, turn: DecodedTurn, *, partial: bool = False
-) -> dict[str, Any]:
+) -> FoldedTurn:
     """All or nothing: the fold is planned (every check) and the caller's answer serialized before the session
     changes, so a failure at any step leaves it byte-identical and servable."""
     model_turn = session.sample.plan_model_turn(turn, routing_start_len=plan.routing_start_len)
@@ -144,7 +156,7 @@ def fold(
     state.metrics.turns.labels("model", "partial" if partial else (turn.finish_type or "none")).inc()
     state.metrics.folded_tokens.labels("true").inc(turn.num_tokens)
     log.debug("session %s: +%d tokens (%s)", session.session_id, turn.num_tokens, turn.finish_type)
-    return summary
+    return FoldedTurn(summary, model_turn, tuple(session.sample.weight_version_table))
 
 
 def check_answer_belongs(plan: TurnPlan, turn: DecodedTurn) -> None:
@@ -218,7 +230,7 @@ class UnaryTurn(TurnHandle):
             return None
 
 
-async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -> dict[str, Any]:
+async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -> FoldedTurn:
     """A unary turn; runs with the session held exclusively (see ``SessionStore.exclusive``)."""
     plan = plan_turn(session, request, incremental_routing=state.settings.incremental_routing)
     handle = UnaryTurn(state, session, plan)
@@ -243,7 +255,8 @@ async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -
 
 
 def aborted_turn(rid: str, reason: str, **received: Any) -> DecodedTurn:
-    """A turn that an abort ended with what had arrived (``received``: token ids, log-probs, text, top-p spans)."""
+    """A turn that an abort ended with what had arrived (``received``: token ids, log-probs, text, top-p spans,
+    weight version spans)."""
     received.setdefault("token_ids", np.empty(0, np.int32))
     received.setdefault("log_probs", np.empty(0, np.float32))
     received.setdefault("text", "")
@@ -324,6 +337,10 @@ class StreamTurn(TurnHandle):
             self.state.metrics.record_error(error)
             partial = self._fold_partial(error.message) if len(self.token_ids) else None
             self.events.put_nowait({"type": "error", "error": error.to_body()["error"], "turn": partial})
+        except Exception:  # a bug: the caller still gets an error event, and the session is released
+            log.exception("session %s: streamed turn %s failed", self.session.session_id, self.rid)
+            error = GatewayError("internal error while streaming the turn (see the gateway log)")
+            self.events.put_nowait({"type": "error", "error": error.to_body()["error"], "turn": None})
         finally:
             self.state.store.release(self.session)
             self.finished()
@@ -369,7 +386,7 @@ class StreamTurn(TurnHandle):
             turn = await self.state.decode("stream_final", len(payload), lambda: self._decode_final(payload))
             check_answer_belongs(self.plan, turn)
             self._take(self.decoder.final_delta(turn))
-            return fold(self.state, self.session, self.plan, turn)
+            return fold(self.state, self.session, self.plan, turn).summary
         work = self.decoder.work_bytes(payload)
         delta, answer = await self.state.decode("stream_chunk", work, lambda: self.decoder.feed(payload))
         if answer is not None and (error := stream_error_payload(answer)) is not None:
@@ -386,7 +403,7 @@ class StreamTurn(TurnHandle):
         # a final chunk the fast check could not see (its keys laid out differently): decode the parsed form
         turn = decode_answer(answer, want_routing=self.plan.want_routing, want_top_p=self.plan.want_top_p)  # type: ignore[arg-type]
         check_answer_belongs(self.plan, turn)
-        return fold(self.state, self.session, self.plan, turn)
+        return fold(self.state, self.session, self.plan, turn).summary
 
     def _check_owner(self, payload: AnswerBytes, answer: dict[str, Any] | None) -> None:
         """The first chunk says whose stream this is. Without this check a foreign stream (a late answer on a reused
@@ -426,7 +443,9 @@ class StreamTurn(TurnHandle):
 
         The upstream never sent this turn's replay data: the tokens get empty top-p spans (when top-p replay
         is on, so the session keeps it) and no routing rows (the next turn's ``routed_experts_start_len``
-        asks for them, as after tool tokens).
+        asks for them, as after tool tokens). Nor its ``weight_versions`` spans: each chunk's tokens get that
+        chunk's ``weight_version`` (unknown, -1, without one), and no entry is added to slime's per-turn
+        ``weight_versions`` (as before: there is no final ``weight_version``).
         """
         n = len(self.token_ids)
         no_spans = (np.empty(0, np.int32), np.zeros(n + 1, np.int32)) if self.plan.want_top_p else (None, None)
@@ -438,5 +457,6 @@ class StreamTurn(TurnHandle):
             text="".join(self.text_parts),
             top_p_ids=no_spans[0],
             top_p_offsets=no_spans[1],
+            weight_version_spans=self.decoder.partial_version_spans(n),
         )
-        return fold(self.state, self.session, self.plan, turn, partial=True)
+        return fold(self.state, self.session, self.plan, turn, partial=True).summary

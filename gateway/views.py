@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 
-from gateway.codec import encode_safetensors
+from gateway.codec import encode_safetensors, narrowest_unsigned
 from gateway.store import Session
+
+if TYPE_CHECKING:
+    from gateway.turns import FoldedTurn
 
 LAST_TOKENS_SHOWN = 16
 
@@ -42,6 +45,8 @@ def session_view(session: Session) -> dict[str, Any]:
         },
         "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype)} for name, a in arrays.items()},
         "weight_versions": sample.weight_versions,
+        # what rollout_weight_version_ids index (the turn log has each model turn's spans)
+        "weight_version_table": sample.weight_version_table,
         "cached_tokens": sample.cached_tokens,
         "prompt_tokens": sample.prompt_tokens,
         "spec_counters": sample.spec_counters,
@@ -101,6 +106,7 @@ def sample_metadata(session: Session) -> dict[str, str]:
         "response_length": str(sample.response_length),
         "prompt_length": str(sample.prompt_length),
         "weight_versions": orjson.dumps(sample.weight_versions).decode(),
+        "weight_version_table": orjson.dumps(sample.weight_version_table).decode(),
         "cached_tokens": str(sample.cached_tokens),
         "prompt_tokens": str(sample.prompt_tokens),
         "spec_counters": orjson.dumps(sample.spec_counters).decode(),
@@ -131,6 +137,34 @@ class SamplePayload:
 
 def sample_payload(session: Session) -> SamplePayload:
     return SamplePayload(session.sample.arrays(), sample_metadata(session))
+
+
+def turn_payload(folded: FoldedTurn) -> SamplePayload:
+    """One model turn's own tensors, in the sample's layout, so a caller never re-fetches the history: the new
+    tokens (all trainable), their log-probs, top-p spans (offsets from 0) and the routing rows it brought, which
+    replace the caller's rows from ``routed_experts_first_row`` on (slime's fold with ``routed_experts_start_len``).
+    The summary (as JSON, without the token ids the tensors carry) is in the metadata under ``turn``, the session's
+    weight version table (which this turn's ``rollout_weight_version_ids`` index) under ``weight_version_table``."""
+    plan, turn = folded.plan, folded.plan.turn
+    arrays = {
+        "tokens": turn.token_ids,
+        "loss_mask": np.ones(turn.num_tokens, np.uint8),
+        "rollout_log_probs": turn.log_probs,
+    }
+    if turn.top_p_ids is not None and turn.top_p_offsets is not None and turn.num_tokens:
+        arrays["rollout_top_p_token_ids"] = turn.top_p_ids
+        arrays["rollout_top_p_token_offsets"] = turn.top_p_offsets
+    arrays["rollout_weight_version_ids"] = plan.versions.ids  # indexes into the table in the metadata
+    summary = {key: value for key, value in folded.summary.items() if key != "new_token_ids"}
+    metadata = {
+        "kind": "turn",
+        "turn": orjson.dumps(summary).decode(),
+        "weight_version_table": orjson.dumps(folded.version_table).decode(),
+    }
+    if plan.routing is not None:
+        arrays["rollout_routed_experts"] = plan.routing.rows.astype(narrowest_unsigned(plan.routing.max_id), copy=False)
+        metadata["routed_experts_first_row"] = str(plan.routing.keep_rows)
+    return SamplePayload(arrays, metadata)
 
 
 def group_payload(sessions: list[Session]) -> SamplePayload:

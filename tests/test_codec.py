@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from safetensors.numpy import load as safetensors_load
 
 from gateway.codec import (
+    MAX_WEIGHT_VERSION_SPANS,
+    VersionSpan,
     check_top_p_spans,
     decode_answer,
     decode_generate_response,
@@ -134,6 +136,40 @@ LOGPROB_ITEMS: dict[str, Any] = {
     "item an object": [{"0": -0.5, "1": 1}],
 }
 
+
+def span(version: Any, start: Any, end: Any) -> dict[str, Any]:
+    return {"version": version, "start": start, "end": end}
+
+
+# Malformed meta_info.weight_versions for answer()'s 3 tokens and weight_version "default".
+BAD_WEIGHT_VERSIONS: dict[str, Any] = {
+    "an object": span("default", 0, 3),
+    "a string": "default",
+    "an empty list": [],
+    "a span as a list": [["default", 0, 3]],
+    "a span as a string": ["default"],
+    "a version missing": [{"start": 0, "end": 3}],
+    "a null version": [span(None, 0, 3)],
+    "a numeric version": [span(7, 0, 3)],
+    "a version too long": [span("v" * 1000, 0, 3)],
+    "a start missing": [{"version": "default", "end": 3}],
+    "a float start": [span("default", 0.0, 3)],
+    "a boolean start": [span("default", False, 3)],
+    "a string end": [span("default", 0, "3")],
+    "a null end": [span("default", 0, None)],
+    "not from 0": [span("default", 1, 3)],
+    "a negative start": [span("old", -1, 1), span("default", 1, 3)],
+    "a gap": [span("old", 0, 1), span("default", 2, 3)],
+    "an overlap": [span("old", 0, 2), span("default", 1, 3)],
+    "an empty span": [span("old", 0, 0), span("default", 0, 3)],
+    "an empty span in between": [span("old", 0, 2), span("mid", 2, 2), span("default", 2, 3)],
+    "a reversed span": [span("old", 0, 2), span("default", 2, 1)],
+    "too few tokens covered": [span("default", 0, 2)],
+    "too many tokens covered": [span("default", 0, 4)],
+    "a span past the tokens": [span("old", 0, 5), span("default", 5, 6)],
+    "the last version not weight_version": [span("default", 0, 1), span("other", 1, 3)],
+}
+
 BAD_BODIES: dict[str, bytes] = {
     "invalid JSON": b'{"text": "abc", ',
     "empty body": b"",
@@ -179,6 +215,10 @@ BAD_BODIES: dict[str, bytes] = {
     "top-p offsets too short": body(top_p_token_offsets=b64_int32([0, 2, 4])),
     "top-p offsets decreasing": body(top_p_token_offsets=b64_int32([0, 3, 2, 4])),
     "top-p negative id": body(top_p_token_ids=b64_int32([10, -3, 11, 12])),
+    **{f"weight_versions {name}": body(weight_versions=spans) for name, spans in BAD_WEIGHT_VERSIONS.items()},
+    "weight_versions an end beyond 64 bits": body(weight_versions=[span("default", 0, 12345)]).replace(
+        b"12345", b"%d" % 2**70
+    ),
 }
 
 
@@ -189,6 +229,84 @@ def test_rejects_bad_answers(data: bytes) -> None:
     assert type(info.value) is UpstreamProtocolError  # not ReplayDataDropped: the data is there but wrong
     assert info.value.status_code == 502
     assert info.value.to_body()["error"]["type"] == "upstream_protocol_error"
+
+
+# ---- weight versions: per-token spans ---------------------------------------------------------------------------
+def test_weight_version_spans_decoded() -> None:
+    spans = [span("v1", 0, 1), span("default", 1, 3)]
+    for data in (body(weight_versions=spans), answer(weight_versions=spans)):  # the cut-out path and the dict path
+        turn = decode(data)
+        expected = (VersionSpan("v1", 0, 1), VersionSpan("default", 1, 3))
+        assert turn.weight_version_spans == turn.token_version_spans == expected
+        assert turn.weight_version == "default"
+
+
+def test_weight_version_spans_may_repeat_a_version_and_omit_weight_version() -> None:
+    spans = [span("a", 0, 1), span("b", 1, 2), span("a", 2, 3)]  # weights rolled back: still one token each
+    turn = decode(body(weight_versions=spans, weight_version=None))
+    assert turn.weight_version is None
+    assert [s.version for s in turn.token_version_spans] == ["a", "b", "a"]
+
+
+def test_weight_version_spans_unknown_keys_are_ignored() -> None:
+    turn = decode(body(weight_versions=[{**span("default", 0, 3), "kind": "new"}]))
+    assert turn.token_version_spans == (VersionSpan("default", 0, 3),)
+
+
+def test_without_spans_the_whole_turn_ran_on_weight_version() -> None:
+    turn = decode(body())
+    assert turn.weight_version_spans is None
+    assert turn.token_version_spans == (VersionSpan("default", 0, 3),)
+    unknown = decode(body(weight_version=None))
+    assert unknown.token_version_spans == (VersionSpan(None, 0, 3),)
+
+
+def test_numeric_weight_version_matches_its_span_in_decimal_form() -> None:
+    turn = decode(body(weight_version=7, weight_versions=[span("7", 0, 3)]))
+    assert (turn.weight_version, turn.token_version_spans) == ("7", (VersionSpan("7", 0, 3),))
+
+
+def test_zero_token_answer_has_one_empty_span() -> None:
+    empty = {"output_token_logprobs": [], "routed_experts": None, "top_p_token_ids": None, "top_p_token_offsets": None}
+    aborted = {"finish_reason": {"type": "abort", "message": "x"}, **empty}
+    turn = decode(body(**aborted, weight_versions=[span("default", 0, 0)]))
+    assert turn.weight_version_spans == (VersionSpan("default", 0, 0),) and turn.token_version_spans == ()
+    for bad in ([], [span("default", 0, 1)], [span("old", 0, 0), span("default", 0, 0)], [span("x", 0, 0)]):
+        with pytest.raises(UpstreamProtocolError, match="weight_version"):
+            decode(body(**aborted, weight_versions=bad))
+
+
+def long_answer(spans: list[dict[str, Any]], n: int) -> bytes:
+    items = [[-0.5, 1, None]] * n
+    no_replay = {"routed_experts": None, "top_p_token_ids": None, "top_p_token_offsets": None}
+    return body(output_token_logprobs=items, weight_versions=spans, weight_version=None, **no_replay)
+
+
+def test_at_most_max_weight_version_spans() -> None:
+    n = MAX_WEIGHT_VERSION_SPANS + 1
+    most = [span(f"v{i}", i, i + 1) for i in range(MAX_WEIGHT_VERSION_SPANS - 1)]
+    most.append(span("last", MAX_WEIGHT_VERSION_SPANS - 1, n))
+    turn = decode(long_answer(most, n), want_routing=False, want_top_p=False)
+    assert len(turn.token_version_spans) == MAX_WEIGHT_VERSION_SPANS
+    too_many = [span(f"v{i}", i, i + 1) for i in range(n)]
+    with pytest.raises(UpstreamProtocolError, match=f"over {MAX_WEIGHT_VERSION_SPANS}"):
+        decode(long_answer(too_many, n), want_routing=False, want_top_p=False)
+
+
+@pytest.mark.parametrize(
+    ("spans", "needle"),
+    [
+        ([span("old", 0, 1), span("default", 2, 3)], r"weight_versions\[1\] starts at 2, not 1: a gap"),
+        ([span("old", 0, 2), span("default", 1, 3)], r"weight_versions\[1\] starts at 1, not 2: an overlap"),
+        ([span("default", 0, 2)], "cover 2 of the answer's 3"),
+        ([span("default", 0, 4)], "past the answer's 3"),
+        ([span("default", 0, 1), span("other", 1, 3)], "not the last span's version 'other'"),
+        ([span("default", 0, 3.0)], r"weight_versions\[0\]: start and end must be integers"),
+    ],
+)
+def test_weight_version_span_errors_say_what_is_wrong(spans: list[dict[str, Any]], needle: str) -> None:
+    with pytest.raises(UpstreamProtocolError, match=needle):
+        decode(body(weight_versions=spans))
 
 
 def test_weight_version_numbers_become_their_decimal_form() -> None:

@@ -25,9 +25,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from slime_reference import ReferenceArgs, ReferenceSample
 
-from gateway.codec import DecodedTurn, decode_answer, decode_generate_response
+from gateway.codec import DecodedTurn, VersionSpan, decode_answer, decode_generate_response
 from gateway.errors import GatewayError, InvalidRequest, ReplayDataDropped, UpstreamProtocolError
-from gateway.sample import MoEShape, SessionSample, Status
+from gateway.sample import UNKNOWN_VERSION_ID, MoEShape, SessionSample, Status
+from gateway.turns import aborted_turn
 
 PROMPT = (11, 12, 13, 14)
 MOE = MoEShape(num_layers=3, topk=2)
@@ -224,6 +225,7 @@ def snapshot(sample: SessionSample) -> dict[str, Any]:
         moe=sample.moe,
         status=sample.status,
         weight_versions=list(sample.weight_versions),
+        weight_version_table=list(sample.weight_version_table),
         cached_tokens=sample.cached_tokens,
         prompt_tokens=sample.prompt_tokens,
         spec_counters=dict(sample.spec_counters),
@@ -352,6 +354,74 @@ def test_weight_version_not_appended_for_zero_new_tokens() -> None:
     twin.model(Fold(make_answer([], finish="abort", weight_version="v2", cached_tokens=4, prompt_tokens=5)))
     assert twin.gateway.weight_versions == ["v1"]
     assert (twin.gateway.status, twin.gateway.cached_tokens) == (Status.ABORTED, 4)
+
+
+# ---- per-token weight versions (not a slime field: checked against the expected ids) -----------------------------
+def version_ids(sample: SessionSample) -> list[int]:
+    return sample.arrays()["rollout_weight_version_ids"].tolist()
+
+
+def test_weight_version_ids_reuse_the_table_across_turns() -> None:
+    twin = Twin()
+    first = Fold(make_answer([7, 8, 9], weight_version="b"))
+    twin.model(with_spans(first, ("a", 0, 2), ("b", 2, 3)))
+    twin.tool([50, 51], text="<tool>")
+    twin.model(Fold(make_answer([10, 11], weight_version="b")))  # an older server: weight_version only
+    twin.model(with_spans(Fold(make_answer([12, 13, 14], weight_version="a")), ("c", 0, 1), ("a", 1, 3)))
+    sample = twin.gateway
+    assert sample.weight_version_table == ["a", "b", "c"]
+    assert version_ids(sample) == [0, 0, 1, -1, -1, 1, 1, 2, 0, 0]
+    assert sample.weight_versions == ["b", "b", "a"]  # slime's per-turn list, as before (and as the oracle's)
+    assert sample.arrays()["rollout_weight_version_ids"].dtype == np.int32
+    spans_logged = [turn.weight_version_spans for turn in sample.turns]
+    assert spans_logged == [
+        [{"version": "a", "start": 0, "end": 2}, {"version": "b", "start": 2, "end": 3}],
+        None,  # the tool turn
+        [{"version": "b", "start": 0, "end": 2}],
+        [{"version": "c", "start": 0, "end": 1}, {"version": "a", "start": 1, "end": 3}],
+    ]
+
+
+def test_tokens_of_an_unknown_version_are_minus_one() -> None:
+    twin = Twin()
+    twin.model(Fold(make_answer([7, 8], weight_version=None)))
+    twin.model(Fold(make_answer([], finish="abort", weight_version="v2")))  # no tokens: the table stays empty
+    assert (twin.gateway.weight_version_table, version_ids(twin.gateway)) == ([], [UNKNOWN_VERSION_ID] * 2)
+    assert twin.gateway.turns[0].weight_version_spans == [{"version": None, "start": 0, "end": 2}]
+
+
+def test_partial_turn_keeps_the_versions_its_chunks_named() -> None:
+    """A streamed turn cut before its final chunk: the spans the stream decoder kept (``partial_version_spans``)."""
+    sample = SessionSample.from_prompt(np.asarray(PROMPT), None)
+    sample.fold_model_turn(decode_turn(Fold(make_answer([7], weight_version="v1"))))
+    spans = (VersionSpan("v1", 0, 2), VersionSpan("v2", 2, 3), VersionSpan(None, 3, 4))
+    received = {"token_ids": np.arange(4, dtype=np.int32), "log_probs": np.full(4, -0.5, np.float32)}
+    sample.fold_model_turn(aborted_turn("rid", "client disconnected", **received, weight_version_spans=spans))
+    sample.check_invariants()
+    assert sample.weight_version_table == ["v1", "v2"]
+    assert version_ids(sample) == [0, 0, 0, 1, -1]
+    assert (sample.weight_versions, sample.status) == (["v1"], Status.ABORTED)  # no final weight_version: no entry
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [
+        (VersionSpan("v", 0, 2),),
+        (VersionSpan("v", 0, 2), VersionSpan("w", 1, 3)),
+        (VersionSpan("v", 0, 1), VersionSpan("w", 2, 3)),
+        (VersionSpan("v", 0, 0), VersionSpan("w", 0, 3)),
+        (VersionSpan("v", 0, 4),),
+    ],
+)
+def test_turns_whose_spans_miss_tokens_are_refused_by_the_plan(spans: tuple[VersionSpan, ...]) -> None:
+    """Spans the codec did not check (a partial turn's): the plan still refuses any that miss or repeat a token."""
+    twin = Twin()
+    twin.model(Fold(make_answer([7], weight_version="v1")))
+    before = snapshot(twin.gateway)
+    received = {"token_ids": np.arange(3, dtype=np.int32), "log_probs": np.full(3, -0.5, np.float32)}
+    with pytest.raises(UpstreamProtocolError, match="do not cover its 3 tokens"):
+        twin.gateway.plan_model_turn(aborted_turn("rid", "cut", **received, weight_version_spans=spans))
+    assert snapshot(twin.gateway) == before
 
 
 def test_top_p_spans_merge_across_turns() -> None:
@@ -535,6 +605,16 @@ def with_log_prob(fold: Fold, index: int, value: Any) -> Fold:
     return fold.with_meta(output_token_logprobs=items)
 
 
+def with_spans(fold: Fold, *spans: tuple[str, int, int]) -> Fold:
+    return fold.with_meta(weight_versions=[{"version": v, "start": start, "end": end} for v, start, end in spans])
+
+
+def spans_ending_on(fold: Fold, version: str) -> Fold:
+    """Spans covering the answer whose last version is not its weight_version."""
+    n = fold.meta["completion_tokens"]
+    return with_spans(fold, (fold.meta["weight_version"], 0, 1), (version, 1, n))
+
+
 def with_token_id(fold: Fold, index: int, value: Any) -> Fold:
     items = [list(item) for item in fold.meta["output_token_logprobs"]]
     items[index][1] = value
@@ -628,6 +708,10 @@ REJECT_CASES = [
     RejectCase("token id beyond int64", _replay(lambda f: with_token_id(f, 0, 2**64 - 1)), UPE, False),
     RejectCase("finish_reason without type", _replay(lambda f: f.with_meta(finish_reason="stop")), UPE, False),
     RejectCase("non-numeric counter", _replay(lambda f: f.with_meta(cached_tokens="many")), UPE, False),
+    RejectCase("weight_versions short of the tokens", _replay(lambda f: with_spans(f, ("w", 0, 1))), UPE, False),
+    RejectCase("weight_versions with a gap", _replay(lambda f: with_spans(f, ("a", 0, 1), ("b", 2, 3))), UPE, False),
+    RejectCase("weight_versions not ending on weight_version", _replay(lambda f: spans_ending_on(f, "x")), UPE, False),
+    RejectCase("weight_versions not a list", _replay(lambda f: f.with_meta(weight_versions="w")), UPE, False),
     RejectCase(
         "text not a string",
         _replay(lambda f: replace(f, answer={**f.answer, "text": 5})),

@@ -187,6 +187,9 @@ async def test_multi_turn_session_with_tool_turns(
     view = (await gw.get(f"/v1/sessions/{sid}")).json()
     assert view["arrays"]["rollout_routed_experts"]["shape"] == [len(tokens) - 1, 2, 2]
     assert view["turns"] == 5
+    # Per-token weight versions, from the engine's weight_versions spans (no update ran: one version, "default").
+    assert view["weight_version_table"] == ["default"]
+    assert arrays["rollout_weight_version_ids"].tolist() == [0 if m else -1 for m in model_mask]
 
 
 async def test_trailing_tool_tokens_leave_routing_rows_behind(gw: httpx.AsyncClient, engine: Engine) -> None:

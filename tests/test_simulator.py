@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -143,6 +144,7 @@ def check_answer(answer: dict[str, Any], prompt_len: int, max_new: int, start_le
     assert meta["completion_tokens"] == len(ids)
     assert type(meta["cached_tokens"]) is int and 0 <= meta["cached_tokens"] < prompt_len
     assert isinstance(meta["weight_version"], str)
+    check_weight_versions(meta)
     assert isinstance(meta["e2e_latency"], float)
     assert "routed_experts_start_len" not in meta
     finish = meta["finish_reason"]
@@ -157,6 +159,16 @@ def check_answer(answer: dict[str, Any], prompt_len: int, max_new: int, start_le
     assert routing.shape == (prompt_len + len(ids) - 1 - start_len, L, K)
     assert routing.min() >= 0 and routing.max() < E
     assert all(len(set(row)) == K for row in routing.reshape(-1, K).tolist())  # distinct experts per layer
+
+
+def check_weight_versions(meta: dict[str, Any]) -> None:
+    """SGLang's spans: contiguous from 0, one per version change, non-empty (one [0, 0) without tokens), covering
+    the generated tokens, the last one's version the answer's weight_version."""
+    spans, n = meta["weight_versions"], meta["completion_tokens"]
+    assert [s["start"] for s in spans] == [0, *[s["end"] for s in spans[:-1]]]
+    assert spans[-1]["end"] == n and spans[-1]["version"] == meta["weight_version"]
+    assert all(s["end"] > s["start"] for s in spans) or (n == 0 and len(spans) == 1)
+    assert all(a["version"] != b["version"] for a, b in itertools.pairwise(spans))
 
 
 def check_top_p(meta: dict[str, Any], output_ids: list[int]) -> None:
@@ -316,7 +328,9 @@ async def test_stream_is_cumulative_and_matches_the_plain_answer(sim: httpx.Asyn
     for i, chunk in enumerate(chunks):
         meta = chunk["meta_info"]
         assert meta["finish_reason"] is None
-        assert not {"routed_experts", "top_p_token_ids", "top_p_token_offsets", "e2e_latency"} & meta.keys()
+        assert not {"routed_experts", "top_p_token_ids", "top_p_token_offsets", "e2e_latency", "weight_versions"} & (
+            meta.keys()
+        )
         assert len(chunk["output_ids"]) == i + 1 == len(meta["output_token_logprobs"])  # one token per chunk
         assert final["output_ids"][: i + 1] == chunk["output_ids"]
         assert final["text"].startswith(chunk["text"])
@@ -427,6 +441,8 @@ async def test_answer_faults(sim: httpx.AsyncClient, stream: bool) -> None:
     assert "output_token_logprobs" not in (await faulty("missing_logprobs"))["meta_info"]
     logprobs = (await faulty("null_logprob"))["meta_info"]["output_token_logprobs"]
     assert logprobs[0][0] is None and all(lp is not None for lp, _, _ in logprobs[1:])
+    spans = (await faulty("bad_weight_versions"))["meta_info"]["weight_versions"]
+    assert spans == [{"version": "sim-v0", "start": 0, "end": n + 1}]  # one token more than generated
     meta = (await faulty("abort"))["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == n // 2
     # Every fault was used up: the next answer is correct again.
@@ -562,10 +578,87 @@ async def test_request_log_and_stats(sim: httpx.AsyncClient) -> None:
     assert (await sim.get("/sim/requests")).json() == []
 
 
+def versions(answer: dict[str, Any]) -> tuple[str, list[tuple[str, int, int]]]:
+    meta = answer["meta_info"]
+    return meta["weight_version"], [(s["version"], s["start"], s["end"]) for s in meta["weight_versions"]]
+
+
+async def update_weights(sim: httpx.AsyncClient, **update: Any) -> None:
+    response = await sim.post("/sim/weight_version", json=update)
+    assert response.status_code == 200, response.text
+    assert response.json() == update
+
+
 async def test_weight_version_update(sim: httpx.AsyncClient) -> None:
-    assert (await generate(sim, body()))["meta_info"]["weight_version"] == "sim-v0"
-    assert (await sim.post("/sim/weight_version", json={"weight_version": "v7"})).status_code == 200
-    assert (await generate(sim, body()))["meta_info"]["weight_version"] == "v7"
+    n = (await generate(sim, body()))["meta_info"]["completion_tokens"]
+    assert versions(await generate(sim, body())) == ("sim-v0", [("sim-v0", 0, n)])
+    await update_weights(sim, weight_version="v7")
+    assert versions(await generate(sim, body())) == ("v7", [("v7", 0, n)])
+
+
+async def test_weight_update_lands_mid_answer(sim: httpx.AsyncClient) -> None:
+    seed, n = await seed_with_length(sim, 6, max_new=32)
+    payload = body(max_new=32, seed=seed)
+    await update_weights(sim, weight_version="v2", after_tokens=3)
+    answer = await generate(sim, payload)
+    check_answer(answer, len(PROMPT), 32)
+    assert versions(answer) == ("v2", [("sim-v0", 0, 3), ("v2", 3, n)])
+    assert (await sim.get("/get_server_info")).json()["weight_version"] == "v2"
+    again = await generate(sim, payload)  # the update has landed: every later answer runs on v2 alone
+    assert versions(again) == ("v2", [("v2", 0, n)])
+    assert stable(again)["output_ids"] == answer["output_ids"]  # the tokens never depend on the version
+
+
+@pytest.mark.parametrize(
+    ("after_tokens", "expected"),
+    [(0, [("v2", 0, "n")]), ("n", [("sim-v0", 0, "n")]), (1000, [("sim-v0", 0, "n")])],
+)
+async def test_weight_update_at_the_edges(sim: httpx.AsyncClient, after_tokens: Any, expected: list[Any]) -> None:
+    """At token 0 the whole answer runs on the new weights; at or past its end, none of it (it lands after)."""
+    seed, n = await seed_with_length(sim, 2, max_new=32)
+    await update_weights(sim, weight_version="v2", after_tokens=n if after_tokens == "n" else after_tokens)
+    answer = await generate(sim, body(max_new=32, seed=seed))
+    spans = [(v, start, n if end == "n" else end) for v, start, end in expected]
+    assert versions(answer) == (spans[-1][0], spans)
+    assert versions(await generate(sim, body(max_new=32, seed=seed))) == ("v2", [("v2", 0, n)])
+
+
+async def test_weight_update_mid_stream_keeps_chunks_consistent(sim: httpx.AsyncClient) -> None:
+    seed, n = await seed_with_length(sim, 6, max_new=32)
+    await update_weights(sim, weight_version="v2", after_tokens=3)
+    events = await stream_events(sim, body(max_new=32, seed=seed))
+    chunks, final = events[:-2], events[-2]
+    assert versions(final) == ("v2", [("sim-v0", 0, 3), ("v2", 3, n)])
+    # Each chunk names the version of its newest token (SGLang: the server's version when it sent the chunk).
+    chunk_versions = [(len(c["output_ids"]), c["meta_info"]["weight_version"]) for c in chunks]
+    assert chunk_versions == [(m, "sim-v0" if m <= 3 else "v2") for m in range(1, n)]
+
+
+async def test_zero_token_answer_has_one_empty_span(sim: httpx.AsyncClient) -> None:
+    await update_weights(sim, weight_version="v2", after_tokens=2)
+    answer = await generate(sim, body(max_new=0))
+    assert versions(answer) == ("sim-v0", [("sim-v0", 0, 0)])
+
+
+async def test_reset_and_immediate_updates_drop_a_pending_one(sim: httpx.AsyncClient) -> None:
+    await update_weights(sim, weight_version="v2", after_tokens=1)
+    await update_weights(sim, weight_version="v3")  # the later update wins; nothing lands mid-answer
+    n = (await generate(sim, body()))["meta_info"]["completion_tokens"]
+    assert versions(await generate(sim, body())) == ("v3", [("v3", 0, n)])
+    await update_weights(sim, weight_version="v4", after_tokens=1)
+    assert (await sim.post("/sim/reset")).status_code == 200
+    assert versions(await generate(sim, body())) == ("sim-v0", [("sim-v0", 0, n)])
+
+
+@pytest.mark.parametrize(
+    "update",
+    [{}, {"weight_version": ""}, {"weight_version": 3}, {"weight_version": "v", "after_tokens": -1}]
+    + [{"weight_version": "v", "after_tokens": bad} for bad in ("3", True, 1.0, 2**40)],
+)
+async def test_bad_weight_updates_are_400(sim: httpx.AsyncClient, update: dict[str, Any]) -> None:
+    response = await sim.post("/sim/weight_version", json=update)
+    assert response.status_code == 400 and response.json()["error"]["message"]
+    assert versions(await generate(sim, body()))[0] == "sim-v0"  # nothing changed
 
 
 # --------------------------------------------------------------------------------------------- speed

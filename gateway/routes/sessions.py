@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import numpy as np
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from gateway.responses import json_response, safetensors_response
-from gateway.sample import MoEShape, SessionSample
+from gateway.codec import safetensors_stream
+from gateway.errors import GatewayError
+from gateway.responses import SAFETENSORS_MEDIA_TYPE, json_response, safetensors_response
+from gateway.sample import MoEShape, SessionSample, Status
 from gateway.schemas import SampleBatchBody, SessionCreateBody, ToolAppendBody, TurnCreate, TurnCreateBody
-from gateway.state import StateDep
-from gateway.turns import ABORT_GRACE_S, open_stream_turn, run_turn
-from gateway.views import full_view, group_payload, sample_payload, session_summary, session_view
+from gateway.state import GatewayState, StateDep
+from gateway.turns import ABORT_GRACE_S, FoldedTurn, open_stream_turn, run_turn
+from gateway.views import full_view, group_payload, sample_payload, session_summary, session_view, turn_payload
 
 router = APIRouter(prefix="/v1", tags=["sessions"])
 ABORT_WAIT_S = ABORT_GRACE_S + 2.0
+FINISHED = frozenset({Status.COMPLETED, Status.TRUNCATED})  # slime never generates for these samples again
 
 
 @router.post("/sessions", status_code=201)
-async def create_session(body: SessionCreateBody, state: StateDep) -> Response:
+async def create_session(body: SessionCreateBody, state: StateDep, request: Request) -> Response:
     moe = None if body.num_layers is None else MoEShape(body.num_layers, body.moe_router_topk)  # type: ignore[arg-type]
     session = state.store.create(
         SessionSample.from_prompt(body.prompt_ids, moe),
@@ -26,7 +32,17 @@ async def create_session(body: SessionCreateBody, state: StateDep) -> Response:
         metadata=body.metadata,
         sampling_defaults=body.sampling_defaults,
     )
-    return json_response(session_summary(session), status_code=201)
+    if body.generate is None:
+        return json_response(session_summary(session), status_code=201)
+    # The session and its first turn in one round trip, all or nothing: a failed turn leaves no session behind, so
+    # the call can be sent again as it is.
+    try:
+        folded = await _unary_turn(state, session.session_id, body.generate)
+    except BaseException:
+        with contextlib.suppress(GatewayError):
+            state.store.delete(session.session_id)
+        raise
+    return await _turn_response(state, folded, request, status_code=201)
 
 
 @router.get("/sessions")
@@ -51,12 +67,31 @@ async def delete_session(session_id: str, state: StateDep) -> Response:
 
 
 @router.post("/sessions/{session_id}/generate")
-async def generate(session_id: str, body: TurnCreateBody, state: StateDep) -> Response:
+async def generate(session_id: str, body: TurnCreateBody, state: StateDep, request: Request) -> Response:
     if body.stream:
         return await _stream_turn(session_id, body, state)
+    return await _turn_response(state, await _unary_turn(state, session_id, body), request)
+
+
+async def _unary_turn(state: GatewayState, session_id: str, body: TurnCreate) -> FoldedTurn:
     async with state.store.exclusive(session_id) as session:
         state.store.check_growth(session)  # the answer itself is checked again before it is folded
-        return json_response(await run_turn(state, session, body))
+        folded = await run_turn(state, session, body)
+    status = folded.plan.status_after
+    if body.delete_after_turn == "always" or (body.delete_after_turn == "if_finished" and status in FINISHED):
+        state.store.delete(session_id)
+    return folded
+
+
+async def _turn_response(
+    state: GatewayState, folded: FoldedTurn, request: Request, *, status_code: int = 200
+) -> Response:
+    """The summary as JSON, or with ``Accept: application/vnd.safetensors`` the turn's own tensors
+    (``gateway.views.turn_payload``): what a trainer needs without fetching the session's history."""
+    if SAFETENSORS_MEDIA_TYPE not in request.headers.get("accept", ""):
+        return json_response(folded.summary, status_code=status_code)
+    payload = turn_payload(folded)
+    return safetensors_response(await state.run_cpu(payload.nbytes, payload.encode), status_code=status_code)
 
 
 async def _stream_turn(session_id: str, body: TurnCreate, state: StateDep) -> Response:
@@ -88,6 +123,8 @@ async def abort(session_id: str, state: StateDep) -> Response:
 @router.post("/sessions/{session_id}/append")
 async def append(session_id: str, body: ToolAppendBody, state: StateDep) -> Response:
     async with state.store.exclusive(session_id) as session:
+        if body.sync is not None:
+            session.check_sync(body.sync.total_tokens, body.sync.last_tokens)
         state.store.check_growth(session, len(body.token_ids))
         with state.store.growing(session, len(body.token_ids)):
             session.sample.append_tool_tokens(np.asarray(body.token_ids, dtype=np.int32), body.text)
@@ -104,5 +141,13 @@ async def get_sample(session_id: str, state: StateDep) -> Response:
 
 @router.post("/samples")
 async def get_samples(body: SampleBatchBody, state: StateDep) -> Response:
+    """A whole group, streamed from the sessions' own arrays: a group of 64 big samples is never copied whole."""
     payload = group_payload([state.store.get(sid) for sid in body.session_ids])
-    return safetensors_response(await state.run_cpu(payload.nbytes, payload.encode))
+    stream = safetensors_stream(payload.arrays, payload.metadata)
+
+    async def chunks() -> AsyncIterator[bytes | memoryview]:
+        for chunk in stream.chunks():
+            yield chunk
+
+    headers = {"content-length": str(stream.size)}
+    return StreamingResponse(chunks(), media_type=SAFETENSORS_MEDIA_TYPE, headers=headers)

@@ -35,6 +35,7 @@ from .engine import (
     SimulatorConfig,
     nesting_depth,
     parse_generate,
+    parse_weight_update,
 )
 from .faults import HTTP_ERRORS, Fault, FaultQueue, parse_fault
 
@@ -524,16 +525,21 @@ class Simulator:
         self.stats = Stats()
         self.engine.cache.clear()
         self.engine.weight_version = self.config.weight_version
+        self.engine.pending_update = None
         return _json({"reset": True})
 
     async def sim_weight_version(self, request: Request) -> Response:
-        """Simulate a weight update: later answers carry the new `weight_version`."""
-        body = _loads(await request.body())
-        version = body.get("weight_version") if isinstance(body, dict) else None
-        if not isinstance(version, str) or not version:
-            return _error(400, 'body must be {"weight_version": "<non-empty string>"}')
-        self.engine.weight_version = version
-        return _json({"weight_version": version})
+        """Simulate a weight update: `{"weight_version": V}` now (later answers carry V), or with `"after_tokens": K`
+        inside the next answer, after its K-th generated token (its `weight_versions` then has two spans)."""
+        try:
+            update = parse_weight_update(_loads(await request.body()))
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        self.engine.update_weights(update)
+        answer: dict[str, Any] = {"weight_version": update.version}
+        if update.after_tokens is not None:
+            answer["after_tokens"] = update.after_tokens
+        return _json(answer)
 
 
 def create_app(config: SimulatorConfig | None = None) -> Starlette:

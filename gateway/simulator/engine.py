@@ -7,7 +7,9 @@ Everything a `/generate` answer contains is a function of the simulator seed, th
   from `(seed, crc32(input id bytes), sampling_seed)`;
 - the routing of a position depends only on `(seed, position, token id at that position)`, so a later turn
   that re-sends an earlier turn's tokens gets the same rows for them, as with a real prefix cache;
-- the top-p kept sets are drawn from a second stream of the same seed, so asking for them never changes tokens.
+- the top-p kept sets are drawn from a second stream of the same seed, so asking for them never changes tokens;
+- a weight update set to land mid-answer (`WeightUpdate.after_tokens`) switches at a generated position, not at a
+  time, so the answer's `weight_versions` spans do not depend on timing either.
 
 `Generation` turns one planned answer into SGLang-shaped JSON for any prefix of it (cumulative stream chunks,
 the final answer, an aborted partial answer). `Distortion` is how fault injection makes an answer wrong without
@@ -131,9 +133,32 @@ class Distortion:
     routing_rows_delta: int = 0  # negative: drop that many trailing rows
     garble_routing: bool = False  # not valid base64 any more
     garble_offsets: bool = False  # top-p offsets[-1] != len(ids)
+    garble_weight_versions: bool = False  # the last weight_versions span ends one past the generated tokens
 
 
 NO_DISTORTION = Distortion()
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """`POST /sim/weight_version`: the new version, and where it lands. `after_tokens` None: now (answers already
+    running keep their version; later ones run on the new one). `after_tokens` K: the next answer to start runs its
+    first K generated tokens on the current version and the rest on the new one (two `weight_versions` spans when it
+    generates more than K), and every answer after it runs on the new one."""
+
+    version: str
+    after_tokens: int | None = None
+
+
+def parse_weight_update(body: Any) -> WeightUpdate:
+    """Validate a `/sim/weight_version` body: `{"weight_version": "<non-empty string>", "after_tokens": K >= 0}`."""
+    version = body.get("weight_version") if isinstance(body, dict) else None
+    if not isinstance(version, str) or not version:
+        raise BadRequest('body must be {"weight_version": "<non-empty string>", "after_tokens": <optional int >= 0>}')
+    after = body.get("after_tokens")
+    if after is not None and (not _is_int(after) or not 0 <= after <= MAX_NEW_TOKENS):
+        raise BadRequest(f"after_tokens must be an int in [0, {MAX_NEW_TOKENS}] (got {after!r})")
+    return WeightUpdate(version, after)
 
 
 # --------------------------------------------------------------------------------------------- hashing
@@ -249,6 +274,7 @@ class Engine:
     def __init__(self, config: SimulatorConfig) -> None:
         self.config = config
         self.weight_version = config.weight_version  # mutable: /sim/weight_version simulates weight updates
+        self.pending_update: WeightUpdate | None = None  # one set to land inside the next answer
         self.cache = PrefixCache()
         words = [f" w{i}" for i in range(config.vocab_size)]
         words[config.eos] = ""  # skip_special_tokens: the eos token has no text
@@ -267,7 +293,19 @@ class Engine:
     # -- planning
 
     def start(self, item: GenItem) -> Generation:
-        return Generation(self, item, self.plan(item), self.cache.lookup(item.input_ids), self.weight_version)
+        version, switch = self.weight_version, self.pending_update
+        if switch is not None:  # this answer carries the update: the ones after it run on the new weights
+            self.pending_update = None
+            self.weight_version = switch.version
+        return Generation(self, item, self.plan(item), self.cache.lookup(item.input_ids), version, switch)
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Apply `/sim/weight_version`: now, or inside the next answer (see `WeightUpdate`)."""
+        if update.after_tokens is None:
+            self.pending_update = None  # a later update overrides one still waiting
+            self.weight_version = update.version
+        else:
+            self.pending_update = update
 
     def plan(self, item: GenItem) -> Plan:
         cfg = self.config
@@ -342,7 +380,8 @@ class Generation:
     item: GenItem
     plan: Plan
     cached_tokens: int
-    weight_version: str
+    weight_version: str  # the version it started on
+    switch: WeightUpdate | None = None  # an update landing after `switch.after_tokens` generated tokens
     distortion: Distortion = NO_DISTORTION
     _ids: list[int] = field(default_factory=list, init=False, repr=False)
     _text: str | None = field(default=None, init=False, repr=False)
@@ -407,6 +446,29 @@ class Generation:
             offsets[-1] += 1
         return encode_i32(ids), encode_i32(offsets)
 
+    def version_at(self, m: int) -> str:
+        """`weight_version` after `m` generated tokens: the version of the newest one (of the first one to come
+        while there is none), as SGLang reports the server's version when it sends a chunk."""
+        switch = self.switch
+        if switch is not None and max(m - 1, 0) >= switch.after_tokens:
+            return switch.version
+        return self.weight_version
+
+    def version_spans(self, m: int) -> list[dict[str, Any]]:
+        """`weight_versions` after `m` generated tokens, as SGLang builds them: contiguous from 0, one per version,
+        and a single empty span when there is no token yet."""
+        k = None if self.switch is None else self.switch.after_tokens
+        if k is None or not 0 < k < m:  # the whole answer so far on one version
+            spans = [{"version": self.version_at(m), "start": 0, "end": m}]
+        else:
+            spans = [
+                {"version": self.weight_version, "start": 0, "end": k},
+                {"version": self.version_at(m), "start": k, "end": m},
+            ]
+        if self.distortion.garble_weight_versions:
+            spans[-1]["end"] += 1
+        return spans
+
     # -- whole answers
 
     def _meta(self, m: int, finish: dict[str, Any] | None) -> dict[str, Any]:
@@ -416,7 +478,7 @@ class Generation:
             "id": self.item.rid,
             "finish_reason": finish,
             "prompt_tokens": self.item.prompt_len,
-            "weight_version": self.weight_version,
+            "weight_version": self.version_at(m),
             "num_retractions": 0,
             "reasoning_tokens": 0,
             "completion_tokens": m,
@@ -433,7 +495,7 @@ class Generation:
     def _final_meta(self, m: int, finish: dict[str, Any], e2e_latency: float) -> dict[str, Any]:
         """Plus what only the finished answer (the last chunk of a stream) carries."""
         meta = self._meta(m, finish)
-        meta["weight_versions"] = [{"version": self.weight_version, "start": 0, "end": m}]
+        meta["weight_versions"] = self.version_spans(m)
         if self.item.return_routed_experts:
             meta["routed_experts"] = self.routed_experts(m)
         if self.item.return_top_p:

@@ -11,6 +11,7 @@ answer faults (a correct answer, then corrupted; in a stream they hit the chunks
   bad_offsets       top-p offsets[-1] != len(ids)
   missing_logprobs  no output_token_logprobs
   null_logprob      the first log-prob is null
+  bad_weight_versions  the last weight_versions span ends one past the generated tokens
 transport faults (the app acts on them by name):
   http_500 / http_400 / http_503   that status with {"error": {"message": ...}} instead of an answer
   delay             sleep delay_s (default 1 s) before answering: for client timeouts
@@ -40,6 +41,7 @@ DISTORTIONS: dict[str, Distortion] = {
     "bad_offsets": Distortion(garble_offsets=True),
     "missing_logprobs": Distortion(drop_keys=frozenset({"output_token_logprobs"})),
     "null_logprob": Distortion(null_first_logprob=True),
+    "bad_weight_versions": Distortion(garble_weight_versions=True),
 }
 
 # Status code and error message of the faults that answer with an HTTP error instead of generating.
