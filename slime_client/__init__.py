@@ -24,7 +24,7 @@ sending again cannot double a turn).
 
 from __future__ import annotations
 
-from slime_client.client import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, GatewayClient, Session
+from slime_client.client import DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, GatewayClient, Session
 from slime_client.errors import (
     AuthenticationError,
     BadRequestError,
@@ -39,17 +39,27 @@ from slime_client.errors import (
     ServiceUnavailableError,
     UpstreamError,
 )
-from slime_client.sample import RolloutSample
+from slime_client.sample import RolloutSample, TurnTensors
 from slime_client.streaming import TurnDelta, TurnStream
-from slime_client.types import ArraySpec, MoEShape, SessionState, SessionSummary, TurnResult
+from slime_client.types import (
+    ArraySpec,
+    DeleteAfterTurn,
+    MoEShape,
+    SessionState,
+    SessionSummary,
+    SessionSync,
+    TurnResult,
+)
 
 __all__ = [
+    "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_TIMEOUT",
     "ArraySpec",
     "AuthenticationError",
     "BadRequestError",
     "ConflictError",
+    "DeleteAfterTurn",
     "GatewayClient",
     "GatewayConnectionError",
     "GatewayError",
@@ -64,8 +74,10 @@ __all__ = [
     "Session",
     "SessionState",
     "SessionSummary",
+    "SessionSync",
     "TurnDelta",
     "TurnResult",
     "TurnStream",
+    "TurnTensors",
     "UpstreamError",
 ]

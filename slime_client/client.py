@@ -1,48 +1,88 @@
-"""``GatewayClient`` (one pooled ``httpx.AsyncClient``) and ``Session`` (one rollout sample on the gateway)."""
+"""``GatewayClient`` (one pool of keep-alive HTTP/1.1 connections) and ``Session`` (one rollout sample on the gateway).
+
+The transport is ``slime_wire.http1.ConnectionPool``, the gateway's own: llhttp parses every answer head, a sample's
+body is received straight into the buffer its tensors then view (``RolloutSample.from_safetensors``: no copy after
+the kernel's), and a small call costs ~0.1 ms of CPU on a plain asyncio loop rather than the ~1 ms of httpx. It
+runs on any asyncio event loop (uvloop is not needed). Why and how much: bench row 3.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import mmap
 import os
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, overload
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
-import httpx
 import orjson
 
 from slime_client import _retry
 from slime_client.errors import GatewayResponseError, make_status_error, translate_transport_error
-from slime_client.sample import RolloutSample
+from slime_client.sample import RolloutSample, TurnTensors, new_sample_buffer
 from slime_client.streaming import TurnStream
-from slime_client.types import SessionState, SessionSummary, TurnResult
+from slime_client.types import DeleteAfterTurn, SessionState, SessionSummary, SessionSync, TurnResult
+from slime_wire.errors import TransportError
+from slime_wire.http1 import BodyBuffers, ConnectionPool, Response
+from slime_wire.memory import keep_freed_memory
 
 log = logging.getLogger("slime_client")
 
-# A model turn can legitimately take minutes; the gateway's own upstream timeout (600 s by default) should
-# fire first, so the caller gets the gateway's 504 verdict rather than a client timeout that leaves the turn
+# The deadline of one HTTP exchange, in seconds: connecting, sending, and the whole answer (a streamed turn: to its
+# last event). A model turn can legitimately take minutes; the gateway's own upstream timeout (600 s by default)
+# should fire first, so the caller gets the gateway's 504 verdict rather than a client timeout that leaves the turn
 # running behind its back.
-DEFAULT_TIMEOUT = httpx.Timeout(900.0, connect=5.0)
+DEFAULT_TIMEOUT = 900.0
+DEFAULT_CONNECT_TIMEOUT = 5.0  # opening one connection (within the call's deadline)
 DEFAULT_MAX_RETRIES = 2
 # A trainer keeps hundreds of turns in flight (slime: server concurrency x engines).
 DEFAULT_MAX_CONNECTIONS = 1024
 # Below the gateway's (uvicorn's) 5 s keep-alive: reusing a connection the server is closing at that very
 # moment fails after the request was written, and a model turn that failed that way may not be retried.
 DEFAULT_KEEPALIVE_EXPIRY_S = 2.0
+# Pooled receive buffers for big JSON answers (``state(full=True)``, long session lists); samples never use them.
+SPARE_BUFFER_BYTES = 32 << 20
 SAFETENSORS_MEDIA_TYPE = "application/vnd.safetensors"
-JSON_HEADERS = {"content-type": "application/json"}
+SAFETENSORS_ACCEPT = SAFETENSORS_MEDIA_TYPE.encode()
+JSON_CONTENT_TYPE = (b"content-type", b"application/json")
+EVENT_STREAM = b"text/event-stream"
+USER_AGENT = b"slime-client"
 # The gateway's API key when ``GatewayClient`` is not given one (as openai-python reads OPENAI_API_KEY).
 API_KEY_ENV = "SLIME_GATEWAY_API_KEY"
+# "0" (or false/no/off) keeps glibc's malloc settings as they are; see ``keep_freed_memory_once``.
+KEEP_FREED_MEMORY_ENV = "SLIME_CLIENT_KEEP_FREED_MEMORY"
+
+
+@functools.cache
+def keep_freed_memory_once() -> bool:
+    """Raise glibc's mmap and trim thresholds for this process (``slime_wire.memory.keep_freed_memory``), once, when
+    the first ``GatewayClient`` is created; True if they were set.
+
+    A fetched sample is received into fresh ``malloc`` memory that its tensors then view (a recycled buffer cannot
+    be reused while they live). With glibc's defaults a multi-megabyte block is a fresh ``mmap`` whose pages fault
+    in on first write (~1 ms per MB on a VM: more than receiving the bytes) and go back to the OS on ``free``;
+    with the thresholds raised (32 MiB, trim 256 MiB) freed sample buffers are reused warm. The cost: up to 256 MiB
+    of freed heap stays in the process. ``SLIME_CLIENT_KEEP_FREED_MEMORY=0`` opts out, and nothing changes where
+    ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` are set, or off glibc.
+    """
+    if os.environ.get(KEEP_FREED_MEMORY_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return keep_freed_memory()
 
 
 class GatewayClient:
     """Async client for the gateway's v1 API. Use as ``async with GatewayClient(url) as gw: ...``.
 
-    ``timeout`` applies to every request (default ``DEFAULT_TIMEOUT``; with ``http_client`` given and no
-    ``timeout``, that client's own timeouts apply). ``max_retries`` bounds the retries of failures that are
-    safe to retry (see ``slime_client._retry``). A given ``http_client`` is used as is and never closed here.
+    ``timeout`` (seconds, default ``DEFAULT_TIMEOUT``: 900) is the deadline of each HTTP exchange: connecting,
+    sending and the whole answer, a streamed turn to its last event; a retry gets a deadline of its own. Past it
+    the call raises ``GatewayTimeoutError``. ``connect_timeout`` (default 5 s) bounds opening one connection
+    within that. ``max_retries`` bounds the retries of failures that are safe to retry (see ``slime_client._retry``).
+    The client holds one pool of keep-alive connections (``slime_wire.http1``), bound to the event loop that first
+    uses it; creating the first client also calls ``keep_freed_memory_once`` (``SLIME_CLIENT_KEEP_FREED_MEMORY=0``
+    opts out).
 
     ``api_key`` is sent as ``Authorization: Bearer KEY`` on every request, streams included; None reads the
     ``SLIME_GATEWAY_API_KEY`` environment variable, ``""`` sends no key. A wrong or missing key raises
@@ -54,29 +94,32 @@ class GatewayClient:
         base_url: str,
         *,
         api_key: str | None = None,
-        timeout: float | httpx.Timeout | None = None,
+        timeout: float | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         max_retries: int = DEFAULT_MAX_RETRIES,
-        http_client: httpx.AsyncClient | None = None,
     ) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        if not (self.timeout > 0 and connect_timeout > 0):
+            raise ValueError("timeout and connect_timeout must be > 0 seconds")
         self.base_url = base_url.rstrip("/")
         self.max_retries = max_retries
         key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
-        # Per request rather than on the httpx client: a caller's own ``http_client`` is not ours to change.
-        self._auth_headers = {"authorization": f"Bearer {key}"} if key else {}
-        self._owns_http_client = http_client is None
-        if http_client is None:
-            http_client = httpx.AsyncClient(
-                timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
-                limits=httpx.Limits(
-                    max_connections=DEFAULT_MAX_CONNECTIONS,
-                    max_keepalive_connections=DEFAULT_MAX_CONNECTIONS,
-                    keepalive_expiry=DEFAULT_KEEPALIVE_EXPIRY_S,
-                ),
-            )
-        self._http = http_client
-        self._timeout: Any = httpx.USE_CLIENT_DEFAULT if timeout is None or self._owns_http_client else timeout
+        self._auth_headers: tuple[tuple[bytes, bytes], ...] = (
+            ((b"authorization", f"Bearer {key}".encode("latin-1")),) if key else ()
+        )
+        self._pool = ConnectionPool(
+            self.base_url,
+            max_connections=DEFAULT_MAX_CONNECTIONS,
+            connect_timeout_s=connect_timeout,
+            pool_timeout_s=self.timeout,
+            keepalive_expiry_s=DEFAULT_KEEPALIVE_EXPIRY_S,
+            buffers=BodyBuffers(SPARE_BUFFER_BYTES),
+            user_agent=USER_AGENT,
+        )
+        self._closed = False
+        keep_freed_memory_once()
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def __aenter__(self) -> GatewayClient:
@@ -88,13 +131,13 @@ class GatewayClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the connection pool, if this client created it."""
-        if self._owns_http_client:
-            await self._http.aclose()
+        """Close the connection pool (a stream still open closes its own connection when it ends)."""
+        self._closed = True
+        await self._pool.aclose()
 
     @property
     def is_closed(self) -> bool:
-        return self._http.is_closed
+        return self._closed
 
     # ---- API -------------------------------------------------------------------------------------------------
     async def health(self) -> dict[str, Any]:
@@ -125,6 +168,38 @@ class GatewayClient:
         summary = SessionSummary.from_json(answer)
         return Session(self, summary.session_id, summary=summary)
 
+    async def start_session(
+        self,
+        *,
+        prompt_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        return_routed_experts: bool | None = None,
+        delete_after_turn: DeleteAfterTurn = "never",
+        num_layers: int | None = None,
+        moe_router_topk: int | None = None,
+        session_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        sampling_defaults: Mapping[str, Any] | None = None,
+    ) -> TurnTensors:
+        """Create a session and run its first model turn in one round trip, answered with the turn's tensors.
+
+        All or nothing on the gateway: if the turn fails no session is left, so the call is safe to repeat.
+        ``delete_after_turn``: "never" keeps the session, "always" drops it after the turn (a single-turn sample
+        in one request), "if_finished" drops it once completed or truncated (pending/aborted ones stay).
+        """
+        body: dict[str, Any] = {"prompt_ids": token_list(prompt_ids)}
+        optional = {
+            "num_layers": num_layers,
+            "moe_router_topk": moe_router_topk,
+            "session_id": session_id,
+            "metadata": None if metadata is None else dict(metadata),
+            "sampling_defaults": None if sampling_defaults is None else dict(sampling_defaults),
+        }
+        body.update({key: value for key, value in optional.items() if value is not None})
+        body["generate"] = turn_body(sampling_params, return_routed_experts, None, delete_after_turn)
+        content = await self._safetensors("POST", "/v1/sessions", body=body, idempotent=False)
+        return TurnTensors.from_safetensors(content)
+
     async def session(self, session_id: str) -> Session:
         """Attach to an existing session (raises ``NotFoundError`` if the gateway does not hold it)."""
         session = Session(self, session_id)
@@ -140,7 +215,7 @@ class GatewayClient:
         if not session_ids:
             return []
         body = {"session_ids": list(session_ids)}
-        content = await self._safetensors("POST", "/v1/samples", body=body)
+        content = await self._safetensors("POST", "/v1/samples", body=body, idempotent=True)  # a read
         return RolloutSample.group_from_safetensors(content)
 
     # ---- transport -------------------------------------------------------------------------------------------
@@ -153,18 +228,22 @@ class GatewayClient:
         params: Mapping[str, str] | None = None,
         idempotent: bool,
     ) -> Any:
-        response = await self._send(method, path, body=body, params=params, idempotent=idempotent)
+        _, content = await self._send(method, path, body=body, params=params, idempotent=idempotent)
         try:
-            return orjson.loads(response.content)
+            return orjson.loads(content)
         except orjson.JSONDecodeError as exc:
             raise GatewayResponseError(f"{method} {path}: the answer is not JSON: {exc}") from exc
 
-    async def _safetensors(self, method: str, path: str, *, body: Any = None) -> bytes:
-        response = await self._send(method, path, body=body, idempotent=True)
-        media_type = response.headers.get("content-type", "")
+    async def _safetensors(self, method: str, path: str, *, body: Any = None, idempotent: bool) -> Any:
+        """A sample's safetensors body, received straight into a buffer of its own (``new_sample_buffer``) that
+        the sample's tensors then view. ``idempotent``: as for ``_json`` (a turn answered in tensors is not)."""
+        response, content = await self._send(
+            method, path, body=body, idempotent=idempotent, into=new_sample_buffer, accept=SAFETENSORS_ACCEPT
+        )
+        media_type = response.content_type or ""
         if not media_type.startswith(SAFETENSORS_MEDIA_TYPE):
             raise GatewayResponseError(f"{method} {path}: expected {SAFETENSORS_MEDIA_TYPE}, got {media_type!r}")
-        return response.content
+        return content
 
     async def _send(
         self,
@@ -175,42 +254,76 @@ class GatewayClient:
         params: Mapping[str, str] | None = None,
         idempotent: bool,
         gone_is_done: bool = False,
-    ) -> httpx.Response:
-        """One API call with the retry policy; the only place httpx errors are translated.
+        into: Callable[[int], Any] | None = None,
+        stream: bool = False,
+        accept: bytes | None = None,
+    ) -> tuple[Response, Any]:
+        """One API call with the retry policy; the one place transport errors (``slime_wire.errors``) become the
+        SDK's. Returns the answer (status, headers) and its body: bytes, or for a success what ``into`` allocated
+        and the body was received into; with ``stream`` a success comes back unread (the caller reads it with
+        ``iter_raw`` and closes it) and its body is None. ``accept``: the media type asked for (``stream`` asks
+        for ``text/event-stream``).
 
         ``gone_is_done``: a 404 after a retry of a request that may already have arrived means the first
         attempt did it (DELETE), so it is success.
         """
-        url = self.base_url + path
-        content = None if body is None else orjson.dumps(body)
-        headers = self._headers(None if body is None else JSON_HEADERS)
+        if self._closed:
+            raise RuntimeError("this GatewayClient is closed")
+        target = path if not params else f"{path}?{urlencode(params)}"
+        payload = b"" if body is None else orjson.dumps(body)
+        headers = self._headers(json=body is not None, accept=EVENT_STREAM if stream else accept)
         attempt = 0
         may_have_arrived = False
         while True:
             try:
-                response = await self._http.request(
-                    method, url, content=content, params=params, headers=headers, timeout=self._timeout
-                )
-            except httpx.HTTPError as exc:
+                response, content = await self._exchange(method, target.encode(), headers, payload, into, stream)
+            except TransportError as exc:
                 if attempt >= self.max_retries or not _retry.retryable_error(exc, idempotent=idempotent):
-                    raise translate_transport_error(exc, method, url) from exc
+                    raise translate_transport_error(exc, method, self.base_url + target) from exc
                 may_have_arrived = may_have_arrived or _retry.may_have_arrived(exc)
-                await self._wait_before_retry(attempt, method, url, f"{type(exc).__name__}")
+                await self._wait_before_retry(attempt, method, self.base_url + target, type(exc).__name__)
                 attempt += 1
                 continue
-            if response.is_success or (gone_is_done and may_have_arrived and response.status_code == 404):
-                return response
-            if attempt >= self.max_retries or not _retry.retryable_status(response.status_code, idempotent=idempotent):
-                raise make_status_error(response)
+            status = response.status
+            if 200 <= status < 300 or (gone_is_done and may_have_arrived and status == 404):
+                return response, content
+            if attempt >= self.max_retries or not _retry.retryable_status(status, idempotent=idempotent):
+                raise make_status_error(status, content, response.headers)
             may_have_arrived = True
-            await self._wait_before_retry(attempt, method, url, f"status {response.status_code}")
+            await self._wait_before_retry(attempt, method, self.base_url + target, f"status {status}")
             attempt += 1
 
-    def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str] | None:
-        """A request's headers: ``extra`` and the API key, if any."""
-        if not self._auth_headers:
-            return None if extra is None else dict(extra)
-        return {**self._auth_headers, **(extra or {})}
+    async def _exchange(
+        self,
+        method: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        payload: bytes,
+        into: Callable[[int], Any] | None,
+        stream: bool,
+    ) -> tuple[Response, Any]:
+        """Send once and read the answer (all of it, or a success's head only with ``stream``). The pool's
+        ``Response.read`` gives its connection back (or closes it after a failure or a cancellation)."""
+        response = await self._pool.request(method, target, headers, payload, timeout=self.timeout)
+        success = 200 <= response.status < 300
+        if stream and success:
+            return response, None
+        if into is not None and success:
+            return response, await response.read(into=into)
+        body = await response.read()
+        if isinstance(body, mmap.mmap):  # a big answer lands in a pooled buffer: copied out, the buffer given back
+            body, pooled = body[:], body
+            self._pool.buffers.give_back(pooled)
+        return response, body
+
+    def _headers(self, *, json: bool = False, accept: bytes | None = None) -> list[tuple[bytes, bytes]]:
+        """A request's headers: the API key, if any, the body's type and what the answer may be."""
+        headers = list(self._auth_headers)
+        if json:
+            headers.append(JSON_CONTENT_TYPE)
+        if accept is not None:
+            headers.append((b"accept", accept))
+        return headers
 
     async def _wait_before_retry(self, attempt: int, method: str, url: str, why: str) -> None:
         delay = _retry.retry_delay(attempt)
@@ -269,6 +382,22 @@ class Session:
             return TurnStream(self.client, f"{self._path}/generate", body | {"stream": True})
         return self._generate(body)
 
+    async def generate_turn(
+        self,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        return_routed_experts: bool | None = None,
+        sync: SessionSync | None = None,
+        delete_after_turn: DeleteAfterTurn = "never",
+    ) -> TurnTensors:
+        """One model turn answered with its own tensors (``TurnTensors``): what a trainer folding turns itself needs,
+        without fetching the history. ``sync``: what the caller believes the session holds; otherwise the gateway
+        answers 409 ``session_mismatch`` (``ConflictError``, its ``details`` say what the session holds) and
+        changes nothing. ``delete_after_turn``: as for ``GatewayClient.start_session``."""
+        body = turn_body(sampling_params, return_routed_experts, sync, delete_after_turn)
+        content = await self.client._safetensors("POST", f"{self._path}/generate", body=body, idempotent=False)
+        return TurnTensors.from_safetensors(content)
+
     async def _generate(self, body: dict[str, Any]) -> TurnResult:
         answer = await self.client._json("POST", f"{self._path}/generate", body=body, idempotent=False)
         return TurnResult.from_json(answer)
@@ -278,11 +407,16 @@ class Session:
         answer = await self.client._json("POST", f"{self._path}/abort", idempotent=False)
         return SessionSummary.from_json(answer)
 
-    async def append(self, token_ids: Sequence[int], text: str | None = None) -> SessionSummary:
-        """Append tool/environment tokens (not trainable: loss mask 0, log-prob 0.0)."""
+    async def append(
+        self, token_ids: Sequence[int], text: str | None = None, *, sync: SessionSync | None = None
+    ) -> SessionSummary:
+        """Append tool/environment tokens (not trainable: loss mask 0, log-prob 0.0). ``sync``: as for
+        ``generate_turn``."""
         body: dict[str, Any] = {"token_ids": token_list(token_ids)}
         if text is not None:
             body["text"] = text
+        if sync is not None:
+            body["sync"] = sync.to_json()
         answer = await self.client._json("POST", f"{self._path}/append", body=body, idempotent=False)
         return SessionSummary.from_json(answer)
 
@@ -294,11 +428,27 @@ class Session:
 
     async def fetch(self) -> RolloutSample:
         """The compact sample (safetensors) as torch tensors."""
-        content = await self.client._safetensors("GET", f"{self._path}/sample")
+        content = await self.client._safetensors("GET", f"{self._path}/sample", idempotent=True)
         return RolloutSample.from_safetensors(content)
 
     async def delete(self) -> None:
         await self.client._send("DELETE", self._path, idempotent=True, gone_is_done=True)
+
+
+def turn_body(
+    sampling_params: Mapping[str, Any] | None,
+    return_routed_experts: bool | None,
+    sync: SessionSync | None,
+    delete_after_turn: DeleteAfterTurn,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"sampling_params": dict(sampling_params or {})}
+    if return_routed_experts is not None:
+        body["return_routed_experts"] = return_routed_experts
+    if sync is not None:
+        body["sync"] = sync.to_json()
+    if delete_after_turn != "never":
+        body["delete_after_turn"] = delete_after_turn
+    return body
 
 
 def token_list(token_ids: Sequence[int]) -> list[int]:

@@ -1,12 +1,15 @@
 """The SDK's one exception tree.
 
-Every error the SDK raises is a ``GatewayError``. httpx errors are translated at one boundary
-(``translate_transport_error``, used by the client's request loop) with ``raise ... from exc``, and every
-gateway error answer becomes a typed ``GatewayStatusError`` in one function (``make_status_error``).
+Every error the SDK raises is a ``GatewayError``. The transport's errors (``slime_wire.errors.TransportError``)
+are translated at one boundary (``translate_transport_error``, used by the client's request loop and by streams)
+with ``raise ... from exc``, and every gateway error answer becomes a typed ``GatewayStatusError`` in one function
+(``make_status_error``, from the answer's status, body and headers).
 
     GatewayError
-    ├── GatewayConnectionError       could not reach the gateway, or the connection broke mid-request
-    ├── GatewayTimeoutError          no answer in time (client-side timeout; the turn may still be running)
+    ├── GatewayConnectionError       could not reach the gateway (refused, connect timeout), the connection broke
+    │                                mid-request, or the answer was not valid HTTP/1.1
+    ├── GatewayTimeoutError          no complete answer within the call's deadline, or no free connection in time
+    │                                (client-side; the turn may still be running)
     ├── GatewayResponseError         a 2xx answer the SDK cannot read (not JSON / not safetensors / bad fields)
     └── GatewayStatusError           the gateway answered an error status: .status, .error_type, .message, .body
         ├── BadRequestError          400, 422  invalid input (fix the call; never retried)
@@ -23,10 +26,13 @@ waiting) and ``GatewayTimeout`` (the gateway says SGLang was too slow) are diffe
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from http import HTTPStatus
 from typing import Any
 
-import httpx
 import orjson
+
+from slime_wire.errors import ConnectFailed, PoolTimeout, ResponseTimeout, SentError, TransportError
 
 
 class GatewayError(Exception):
@@ -55,7 +61,7 @@ class GatewayStatusError(GatewayError):
         status: int,
         error_type: str | None = None,
         body: Any = None,
-        response: httpx.Response | None = None,
+        headers: dict[str, str] | None = None,
         partial_turn: Any = None,
     ) -> None:
         super().__init__(f"{status} {error_type or 'error'}: {message}")
@@ -63,7 +69,7 @@ class GatewayStatusError(GatewayError):
         self.error_type = error_type
         self.message = message
         self.body = body
-        self.response = response
+        self.headers = headers or {}  # the answer's headers (lower-case names; the first of repeated ones)
         # A streamed turn that failed mid-way: the ``TurnResult`` of what was folded in (status aborted).
         self.partial_turn = partial_turn
 
@@ -117,12 +123,18 @@ _STATUS_ERRORS: dict[int, type[GatewayStatusError]] = {
 }
 
 
-def make_status_error(response: httpx.Response) -> GatewayStatusError:
-    """An error answer -> the typed exception for its status (openai-python's ``_make_status_error``)."""
-    body = _parse_error_body(response.content)
-    error_type, message = _error_type_and_message(body, response)
-    error_class = _STATUS_ERRORS.get(response.status_code, GatewayStatusError)
-    return error_class(message, status=response.status_code, error_type=error_type, body=body, response=response)
+def make_status_error(
+    status: int, content: bytes | bytearray | memoryview, headers: Iterable[tuple[bytes, bytes]] = ()
+) -> GatewayStatusError:
+    """An error answer (its status, body and headers as received) -> the typed exception for its status
+    (openai-python's ``_make_status_error``)."""
+    body = _parse_error_body(content)
+    error_type, message = _error_type_and_message(body, status)
+    error_class = _STATUS_ERRORS.get(status, GatewayStatusError)
+    named = {}
+    for name, value in headers:
+        named.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+    return error_class(message, status=status, error_type=error_type, body=body, headers=named)
 
 
 # The status a gateway error type maps to, for errors that arrive inside a stream (whose HTTP status was 200).
@@ -139,28 +151,40 @@ def make_stream_error(error: Any, partial_turn: Any = None) -> GatewayStatusErro
     return error_class(message, status=status, error_type=error_type, body={"error": error}, partial_turn=partial_turn)
 
 
-def translate_transport_error(exc: httpx.HTTPError, method: str, url: str) -> GatewayError:
-    """An httpx failure (no HTTP answer) -> the SDK's error; callers ``raise ... from exc``."""
+def translate_transport_error(exc: TransportError, method: str, url: str) -> GatewayError:
+    """A transport failure (no complete HTTP answer) -> the SDK's error; callers ``raise ... from exc``.
+
+    ``ResponseTimeout`` (the call's deadline passed) and ``PoolTimeout`` (no free connection in time) are
+    ``GatewayTimeoutError``; ``ConnectFailed`` (refused, unreachable, connect timeout), ``ConnectionLost`` and
+    ``ProtocolViolation`` are ``GatewayConnectionError``.
+    """
     where = f"{method} {url}"
-    if isinstance(exc, httpx.TimeoutException):
-        return GatewayTimeoutError(f"{where}: no answer in time ({type(exc).__name__})")
-    if isinstance(exc, httpx.TransportError):
+    if isinstance(exc, ResponseTimeout | PoolTimeout):
+        return GatewayTimeoutError(f"{where}: no answer in time ({type(exc).__name__}: {exc})")
+    if isinstance(exc, ConnectFailed | SentError):
         return GatewayConnectionError(f"{where}: {type(exc).__name__}: {exc or 'connection failed'}")
     return GatewayError(f"{where}: {type(exc).__name__}: {exc}")
 
 
-def _parse_error_body(content: bytes) -> Any:
+def _parse_error_body(content: bytes | bytearray | memoryview) -> Any:
     try:
         return orjson.loads(content)
     except orjson.JSONDecodeError:
-        return content.decode("utf-8", "replace")
+        return bytes(content).decode("utf-8", "replace")
 
 
-def _error_type_and_message(body: Any, response: httpx.Response) -> tuple[str | None, str]:
+def _error_type_and_message(body: Any, status: int) -> tuple[str | None, str]:
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict):
         error_type = error.get("type")
         return (str(error_type) if error_type is not None else None), str(error.get("message", ""))
     # Not the gateway's own format (a proxy in between, or an old gateway): keep what there is.
     text = body if isinstance(body, str) else orjson.dumps(body).decode()
-    return None, text[:500] or response.reason_phrase
+    return None, text[:500] or _reason_phrase(status)
+
+
+def _reason_phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""

@@ -1,11 +1,13 @@
 """``RolloutSample``: a session's compact sample as torch tensors, read from the gateway's safetensors bytes.
 
-The wire format (``GET /v1/sessions/{id}/sample``) is one safetensors file: tensors ``tokens`` int32,
-``loss_mask`` uint8, ``rollout_log_probs`` float32, optional ``rollout_top_p_token_ids`` / ``..._offsets``
-int32 and ``rollout_routed_experts`` [rows, L, K] in the narrowest unsigned type; string metadata (scalars as
-text, structures as JSON). ``POST /v1/samples`` packs a group into one file: tensors named ``{i}/{field}`` and
-the per-sample metadata as a JSON list under ``samples``. Tensors come from ``safetensors.torch.load`` (one
-buffer copy per tensor, no per-token Python objects); only ``to_slime`` builds the Python lists slime wants.
+The wire format (``GET /v1/sessions/{id}/sample``) is one safetensors file: tensors ``tokens`` int32, ``loss_mask``
+uint8, ``rollout_log_probs`` float32, ``rollout_weight_version_ids`` int32 (per response token, an index into the
+``weight_version_table`` metadata; -1: tool token or unknown version), optional ``rollout_top_p_token_ids`` /
+``..._offsets`` int32 and ``rollout_routed_experts`` [rows, L, K] in the narrowest unsigned type; string metadata
+(scalars as text, structures as JSON). ``POST /v1/samples`` packs a group into one file: tensors named
+``{i}/{field}`` and the per-sample metadata as a JSON list under ``samples``. Tensors come from
+``safetensors.torch.load`` (one buffer copy per tensor, no per-token Python objects); only ``to_slime`` builds the
+Python lists slime wants.
 """
 
 from __future__ import annotations
@@ -15,10 +17,15 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
 import torch
 
 from slime_client.errors import GatewayResponseError
+from slime_client.types import TurnResult
+
+# What a sample is read from: the bytes of an answer, or the buffer ``GatewayClient`` received it into.
+SampleBody = bytes | bytearray | memoryview | np.ndarray
 
 SAFETENSORS_HEADER_SIZE_BYTES = 8
 # safetensors dtype names -> torch dtypes (the ones a sample can hold, and the common rest).
@@ -36,6 +43,22 @@ SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
     "F32": torch.float32,
     "F64": torch.float64,
+}
+# torch dtype -> the numpy dtype its bytes are viewed as (numpy has no bfloat16: its bits, as uint16).
+_NUMPY_VIEWS: dict[torch.dtype, type[np.generic]] = {
+    torch.bool: np.bool_,
+    torch.uint8: np.uint8,
+    torch.int8: np.int8,
+    torch.uint16: np.uint16,
+    torch.int16: np.int16,
+    torch.uint32: np.uint32,
+    torch.int32: np.int32,
+    torch.uint64: np.uint64,
+    torch.int64: np.int64,
+    torch.float16: np.float16,
+    torch.bfloat16: np.uint16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
 }
 GROUP_METADATA_KEY = "samples"
 
@@ -58,6 +81,11 @@ class RolloutSample:
     rollout_top_p_token_ids: torch.Tensor | None = None  # int32, only with top-p replay
     rollout_top_p_token_offsets: torch.Tensor | None = None  # int32 [response_length + 1]
     rollout_routed_experts: torch.Tensor | None = None  # [rows, L, K] uint8/uint16/uint32 as stored
+    # Which weights produced each response token: int32 [response_length], an index into ``weight_version_table``,
+    # -1 for tool/environment tokens and unknown versions (None from a gateway that predates them). Not a slime
+    # ``Sample`` field: ``to_slime`` leaves it out; read it here for per-token off-policy correction.
+    rollout_weight_version_ids: torch.Tensor | None = None
+    weight_version_table: list[str] = field(default_factory=list)
     num_layers: int | None = None
     moe_router_topk: int | None = None
     spec_counters: dict[str, int] = field(default_factory=dict)
@@ -66,21 +94,22 @@ class RolloutSample:
 
     # ---- reading ---------------------------------------------------------------------------------------------
     @classmethod
-    def from_safetensors(cls, body: bytes) -> RolloutSample:
-        """One sample from the bytes of ``GET /v1/sessions/{id}/sample``."""
-        tensors = _load_tensors(body)
-        return cls.from_parts(tensors, read_safetensors_metadata(body))
+    def from_safetensors(cls, body: SampleBody) -> RolloutSample:
+        """One sample from the bytes of ``GET /v1/sessions/{id}/sample`` (any buffer: the tensors view it)."""
+        header, data_start = read_safetensors_header(body)
+        return cls.from_parts(_tensors_from_header(body, header, data_start), _metadata(header))
 
     @classmethod
-    def group_from_safetensors(cls, body: bytes) -> list[RolloutSample]:
+    def group_from_safetensors(cls, body: SampleBody) -> list[RolloutSample]:
         """A group from the bytes of ``POST /v1/samples`` (request order)."""
-        metadata = read_safetensors_metadata(body)
+        header, data_start = read_safetensors_header(body)
+        metadata = _metadata(header)
         try:
             per_sample = orjson.loads(metadata[GROUP_METADATA_KEY])
         except (KeyError, orjson.JSONDecodeError) as exc:
             raise GatewayResponseError(f"group sample has no valid {GROUP_METADATA_KEY!r} metadata") from exc
         grouped: list[dict[str, torch.Tensor]] = [{} for _ in per_sample]
-        for name, tensor in _load_tensors(body).items():
+        for name, tensor in _tensors_from_header(body, header, data_start).items():
             index, slash, field_name = name.partition("/")
             if not (slash and index.isdigit() and int(index) < len(grouped)):
                 raise GatewayResponseError(f"group sample has an unexpected tensor name {name!r}")
@@ -105,6 +134,8 @@ class RolloutSample:
                 rollout_top_p_token_ids=tensors.get("rollout_top_p_token_ids"),
                 rollout_top_p_token_offsets=tensors.get("rollout_top_p_token_offsets"),
                 rollout_routed_experts=tensors.get("rollout_routed_experts"),
+                rollout_weight_version_ids=tensors.get("rollout_weight_version_ids"),
+                weight_version_table=_json_field(meta, "weight_version_table", []),
                 num_layers=_optional_int(meta, "num_layers"),
                 moe_router_topk=_optional_int(meta, "moe_router_topk"),
                 spec_counters=_json_field(meta, "spec_counters", {}),
@@ -118,6 +149,15 @@ class RolloutSample:
     @property
     def total_tokens(self) -> int:
         return len(self.tokens)
+
+    def token_weight_versions(self) -> list[str | None] | None:
+        """The weight version of each response token (None: a tool token or an unknown version); None when the
+        gateway sent no per-token versions. A Python list per token: for inspection, not for training loops."""
+        ids = self.rollout_weight_version_ids
+        if ids is None:
+            return None
+        table = self.weight_version_table
+        return [None if i < 0 else table[i] for i in ids.tolist()]
 
     def routed_experts_int32(self) -> torch.Tensor | None:
         """Routing as slime trains on it: int32 ``[rows, num_layers, topk]`` (a copy, widened)."""
@@ -137,8 +177,19 @@ class RolloutSample:
         routed = self.rollout_routed_experts
         if routed is not None and (routed.dim() != 3 or len(routed) > max(0, len(self.tokens) - 1)):
             problems.append(f"routed experts shape {tuple(routed.shape)} does not fit {len(self.tokens)} tokens")
+        problems += self._weight_version_problems()
         if problems:
             raise GatewayResponseError(f"sample {self.session_id!r}: " + "; ".join(problems))
+
+    def _weight_version_problems(self) -> list[str]:
+        ids, n = self.rollout_weight_version_ids, self.response_length
+        if ids is None:
+            return []
+        if ids.dim() != 1 or len(ids) != n:
+            return [f"weight version ids shape {tuple(ids.shape)} != ({n},)"]
+        if n and not -1 <= int(ids.min()) <= int(ids.max()) < len(self.weight_version_table):
+            return [f"weight version ids outside [-1, {len(self.weight_version_table)})"]
+        return []
 
     # ---- slime -----------------------------------------------------------------------------------------------
     def to_slime(self, sample: Any) -> Any:
@@ -146,6 +197,8 @@ class RolloutSample:
 
         Replaces the response-side fields with the session's (the session is the whole sample). Lists where
         slime keeps lists; int32 tensors for top-p spans and routed experts (what slime's fold produces).
+        Only slime's own fields: the per-token versions (``rollout_weight_version_ids``, ``weight_version_table``)
+        have no ``Sample`` field, so they stay on this object; slime's per-turn ``weight_versions`` is written.
         """
         sample.tokens = self.tokens.tolist()
         sample.response = self.response
@@ -161,6 +214,52 @@ class RolloutSample:
         sample.status = slime_status(sample, self.status)
         set_prefix_cache_totals(sample, cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens)
         return sample
+
+
+@dataclass(slots=True)
+class TurnTensors:
+    """One model turn as the gateway answers it with ``Accept: application/vnd.safetensors`` (``Session.generate_turn``,
+    ``GatewayClient.start_session``): the turn's own tensors, so that a caller folding turns itself never fetches the
+    session's history. Tensors view the received body (no copy)."""
+
+    result: TurnResult  # the summary (``result.new_token_ids`` is empty here: ``tokens`` has them)
+    tokens: torch.Tensor  # int32 [n]: this turn's new token ids
+    loss_mask: torch.Tensor  # uint8 [n]: ones
+    rollout_log_probs: torch.Tensor  # float32 [n]
+    rollout_top_p_token_ids: torch.Tensor | None  # int32, with top-p replay
+    rollout_top_p_token_offsets: torch.Tensor | None  # int32 [n + 1], from 0
+    # The routing rows this turn brought, [rows, L, K] as stored (uint8 up to 256 experts): they replace the caller's
+    # rows from ``routed_experts_first_row`` on (slime's fold with ``routed_experts_start_len``).
+    rollout_routed_experts: torch.Tensor | None
+    routed_experts_first_row: int | None
+    rollout_weight_version_ids: torch.Tensor | None  # int32 [n], indexes ``weight_version_table``
+    weight_version_table: list[str]
+
+    @classmethod
+    def from_safetensors(cls, body: SampleBody) -> TurnTensors:
+        header, data_start = read_safetensors_header(body)
+        meta = _metadata(header)
+        tensors = _tensors_from_header(body, header, data_start)
+        try:
+            summary = orjson.loads(meta["turn"])
+            return cls(
+                result=TurnResult.from_json({"new_token_ids": [], **summary}),
+                tokens=tensors["tokens"],
+                loss_mask=tensors["loss_mask"],
+                rollout_log_probs=tensors["rollout_log_probs"],
+                rollout_top_p_token_ids=tensors.get("rollout_top_p_token_ids"),
+                rollout_top_p_token_offsets=tensors.get("rollout_top_p_token_offsets"),
+                rollout_routed_experts=tensors.get("rollout_routed_experts"),
+                routed_experts_first_row=_optional_int(meta, "routed_experts_first_row"),
+                rollout_weight_version_ids=tensors.get("rollout_weight_version_ids"),
+                weight_version_table=_json_field(meta, "weight_version_table", []),
+            )
+        except (KeyError, ValueError, orjson.JSONDecodeError) as exc:
+            raise GatewayResponseError(f"a turn's tensors without the expected fields: {exc!r}") from exc
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
 
 
 def slime_status(sample: Any, value: str) -> Any:
@@ -182,16 +281,26 @@ def set_prefix_cache_totals(sample: Any, *, cached_tokens: int, prompt_tokens: i
     info.total_prompt_tokens = prompt_tokens
 
 
-def read_safetensors_header(body: bytes | bytearray) -> tuple[dict[str, Any], int]:
+def new_sample_buffer(size: int) -> np.ndarray:
+    """Memory for a sample's body, which ``GatewayClient`` receives straight into and the sample's tensors then
+    view: ``malloc``'s, owned by a numpy array that the tensors keep alive and free with the last of them. Not a
+    recycled receive buffer (it cannot be reused while tensors view it), not an anonymous map (fresh pages fault in
+    at ~1 ms per MB on a VM), not a ``bytearray`` (which zero-fills): with ``keep_freed_memory`` in force (see
+    ``slime_client.client.keep_freed_memory_once``) a freed sample's memory is reused warm for the next one."""
+    return np.empty(size, np.uint8)
+
+
+def read_safetensors_header(body: SampleBody) -> tuple[dict[str, Any], int]:
     """(the header JSON, where the data starts). The format is an 8-byte little-endian length, then the JSON."""
-    if len(body) < SAFETENSORS_HEADER_SIZE_BYTES:
-        raise GatewayResponseError(f"sample body is {len(body)} bytes, too short for safetensors")
-    header_size = int.from_bytes(body[:SAFETENSORS_HEADER_SIZE_BYTES], "little")
+    view = _bytes_view(body)
+    if len(view) < SAFETENSORS_HEADER_SIZE_BYTES:
+        raise GatewayResponseError(f"sample body is {len(view)} bytes, too short for safetensors")
+    header_size = int.from_bytes(view[:SAFETENSORS_HEADER_SIZE_BYTES], "little")
     header_end = SAFETENSORS_HEADER_SIZE_BYTES + header_size
-    if header_end > len(body):
+    if header_end > len(view):
         raise GatewayResponseError("safetensors header is longer than the sample body")
     try:
-        header = orjson.loads(memoryview(body)[SAFETENSORS_HEADER_SIZE_BYTES:header_end])
+        header = orjson.loads(view[SAFETENSORS_HEADER_SIZE_BYTES:header_end])
     except orjson.JSONDecodeError as exc:
         raise GatewayResponseError(f"safetensors header is not JSON: {exc}") from exc
     if not isinstance(header, dict):
@@ -199,44 +308,67 @@ def read_safetensors_header(body: bytes | bytearray) -> tuple[dict[str, Any], in
     return header, header_end
 
 
-def read_safetensors_metadata(body: bytes | bytearray) -> dict[str, str]:
+def read_safetensors_metadata(body: SampleBody) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors file (safetensors' Python API reads it only from files)."""
-    metadata = read_safetensors_header(body)[0].get("__metadata__")
+    return _metadata(read_safetensors_header(body)[0])
+
+
+def _metadata(header: dict[str, Any]) -> dict[str, str]:
+    metadata = header.get("__metadata__")
     return metadata if isinstance(metadata, dict) else {}
 
 
-def _load_tensors(body: bytes) -> dict[str, torch.Tensor]:
-    """Tensors as zero-copy views into the response body (``torch.frombuffer`` at each tensor's offsets).
+def _bytes_view(body: SampleBody) -> memoryview:
+    view = memoryview(body)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _load_tensors(body: SampleBody) -> dict[str, torch.Tensor]:
+    """Tensors as zero-copy views into the response body (``torch.frombuffer`` at each tensor's offsets)."""
+    header, data_start = read_safetensors_header(body)
+    return _tensors_from_header(body, header, data_start)
+
+
+def _tensors_from_header(body: SampleBody, header: dict[str, Any], data_start: int) -> dict[str, torch.Tensor]:
+    """Tensors as zero-copy views into the response body: numpy views of the body at each tensor's offsets, handed to
+    ``torch.from_numpy`` (right after a multi-megabyte receive the CPU's caches are cold, and this costs about half
+    of a ``torch.frombuffer`` per tensor or of slicing one torch tensor over the body).
 
     ``safetensors.torch.load`` copies every tensor out of the bytes (~10x this for a 4 MB MoE sample), and its
     zero-copy API needs a file; the format (8-byte length, JSON header, raw data) is simple enough to map
-    directly. The tensors share the body's memory, which nothing else holds: ``.clone()`` one before writing to
-    it in place (``to_slime`` and ``routed_experts_int32`` already hand out copies).
+    directly. The tensors share the body's memory, which nothing else holds (they keep its owner alive): a body
+    received by ``GatewayClient`` is a writable buffer of the sample's own; over ``bytes``, ``.clone()`` a tensor
+    before writing to it in place (``to_slime`` and ``routed_experts_int32`` already hand out copies).
     """
-    header, data_start = read_safetensors_header(body)
-    tensors: dict[str, torch.Tensor] = {}
+    view = _bytes_view(body)
+    if isinstance(body, np.ndarray) and body.dtype == np.uint8 and body.ndim == 1:
+        array = body
+    else:
+        array = np.frombuffer(view, np.uint8)
+    specs = [(name, spec) for name, spec in header.items() if name != "__metadata__"]
+    if array.flags.writeable:
+        return {name: _tensor_view(array, data_start, name, spec) for name, spec in specs}
     with warnings.catch_warnings():
         # torch warns that a bytes object is not writable; the views are handed out as documented above.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-        for name, spec in header.items():
-            if name != "__metadata__":
-                tensors[name] = _tensor_view(body, data_start, name, spec)
-    return tensors
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        return {name: _tensor_view(array, data_start, name, spec) for name, spec in specs}
 
 
-def _tensor_view(buffer: bytes, data_start: int, name: str, spec: Any) -> torch.Tensor:
+def _tensor_view(array: np.ndarray, data_start: int, name: str, spec: Any) -> torch.Tensor:
     try:
         dtype = SAFETENSORS_DTYPES[spec["dtype"]]
         shape = [int(dim) for dim in spec["shape"]]
         begin, end = (data_start + int(offset) for offset in spec["data_offsets"])
     except (KeyError, TypeError, ValueError) as exc:
         raise GatewayResponseError(f"safetensors entry {name!r} is invalid: {spec!r:.200}") from exc
-    count = math.prod(shape)
-    if not data_start <= begin <= end <= len(buffer) or end - begin != count * dtype.itemsize:
+    count, size = math.prod(shape), len(array)
+    if not data_start <= begin <= end <= size or end - begin != count * dtype.itemsize or min(shape, default=0) < 0:
         raise GatewayResponseError(f"safetensors entry {name!r} has offsets that do not match its shape and dtype")
     if count == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=begin).reshape(shape)
+    values = array[begin:end].view(_NUMPY_VIEWS[dtype])  # numpy takes any offset (safetensors writers align them)
+    tensor = torch.from_numpy(values if len(shape) == 1 else values.reshape(shape))
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)  # bfloat16: numpy has none, its bits as uint16
 
 
 def _json_field(meta: dict[str, str], key: str, default: Any) -> Any:

@@ -13,19 +13,22 @@ It leaves the ``Sample`` as ``slime.rollout.sglang_rollout.generate`` would: ``t
 ``weight_versions`` and ``prefix_cache_info`` -- but SGLang's multi-megabyte JSON is decoded by the gateway,
 and routing replay is incremental across turns.
 
-How a sample maps to a gateway session (key: ``sample.session_id``, a fresh uuid if slime did not set one):
-- The session mirrors ``sample.tokens``. First call: the session is created from ``sample.tokens`` (or from
-  ``sample.prompt``, tokenized like slime, when ``tokens`` is empty).
-- Later calls (partial rollout resuming an aborted sample, or an agent calling again after appending tool
-  tokens to the sample) reuse the session when its tokens are a prefix of ``sample.tokens`` (checked on the
-  length and the last tokens the gateway shows); tokens the sample gained locally are appended to the session
-  as tool tokens (not trainable). If the session is gone (gateway restarted) or does not match, it is
-  (re)created from the whole ``sample.tokens`` -- still correct, only routing replay restarts from row 0.
-- Each call appends only what this turn added onto the sample, slime-style, so fields slime or the caller
-  changed in between (e.g. ``--mask-offpolicy-in-partial-rollout`` zeroing the old loss mask) are kept.
-- Sessions are deleted once the sample is finished (completed / truncated / failed, or aborted without
-  ``--partial-rollout``), so the gateway does not accumulate them. Set ``args.gateway_keep_sessions = True``
-  to keep every session (inspection, multi-turn agents that call this repeatedly).
+How a sample maps to a gateway session (key: ``sample.session_id``, a fresh uuid if slime did not set one), and
+what it costs: one round trip per model turn, whatever the length of the history.
+- The session mirrors ``sample.tokens``. First call: one request creates the session from ``sample.tokens`` (or
+  from ``sample.prompt``, tokenized like slime, when ``tokens`` is empty) and runs the turn; a single-turn sample
+  that finishes is deleted by that same request.
+- Every turn answers with its own tensors (new tokens, log-probs, top-p spans, the routing rows it brought), folded
+  onto the sample slime-style: the history is never downloaded again, and fields slime or the caller changed in
+  between (e.g. ``--mask-offpolicy-in-partial-rollout`` zeroing the old loss mask) are kept.
+- Later calls (partial rollout resuming an aborted sample, or an agent calling again after appending tool tokens
+  to the sample) go straight to the turn with a ``sync`` (the token count and last tokens the session should
+  hold). If the session lacks tokens the sample gained locally, the gateway says what it holds, they are appended
+  as tool tokens (not trainable) and the turn runs; a session that is gone (gateway restarted) or does not match
+  is (re)created from the whole ``sample.tokens``: still correct, only routing replay restarts from row 0.
+- Sessions are deleted once the sample is finished (completed / truncated, or aborted without
+  ``--partial-rollout``), by the turn's own request, so the gateway does not accumulate them. Set
+  ``args.gateway_keep_sessions = True`` to keep every session (inspection, multi-turn agents).
 """
 
 from __future__ import annotations
@@ -37,14 +40,15 @@ import os
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from slime_client.client import GatewayClient, Session
 from slime_client.errors import ConflictError, GatewayResponseError, NotFoundError
-from slime_client.sample import RolloutSample, slime_status
-from slime_client.types import MoEShape, SessionState, TurnResult
+from slime_client.sample import TurnTensors, slime_status
+from slime_client.types import DeleteAfterTurn, MoEShape, SessionSync, TurnResult
 
 log = logging.getLogger("slime_client.slime")
 
@@ -52,12 +56,8 @@ GATEWAY_URL_ENV = "SLIME_GATEWAY_URL"
 GATEWAY_API_KEY_ENV = "SLIME_GATEWAY_API_KEY"
 # slime's finish_reason.type -> Sample.Status value (slime's Sample.update_from_meta_info / _apply_meta_info).
 FINISH_TO_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
-# Statuses after which slime will not call generate for the sample again (unless it resumes partial rollouts).
-RESUMABLE_STATUSES = frozenset({"pending", "aborted"})
 
-MirrorPlan = Literal["reuse", "append", "recreate"]
-
-# The one piece of module state: a GatewayClient per (event loop, gateway URL, API key). httpx connections belong
+# The one piece of module state: a GatewayClient per (event loop, gateway URL, API key). A client's connections belong
 # to the loop that opened them; keying by loop (weakly) gives every loop its own pool and drops it with the loop.
 # slime runs all rollouts on one long-lived loop, so in practice this holds one client (a rotated key: a new one).
 _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], GatewayClient]] = (
@@ -83,11 +83,8 @@ async def generate(args: Any, sample: Any, sampling_params: Mapping[str, Any], e
 
     replay = bool(getattr(args, "use_rollout_routing_replay", False))
     gateway = client_for(gateway_url(args), gateway_api_key(args))
-    session = await mirror_session(gateway, sample, routing_shape(args) if replay else None)
-    turn = await session.generate(params, return_routed_experts=replay)
-    append_turn(sample, turn, await session.fetch())
-    if not _keep_session(args, _status_value(sample.status)):
-        await session.delete()
+    call = TurnCall(gateway, sample, params, routing_shape(args) if replay else None, _delete_policy(args))
+    append_turn(sample, await call.run())
     return sample
 
 
@@ -150,94 +147,116 @@ def prompt_token_ids(args: Any, prompt: Any) -> list[int]:
     return list(_load_tokenizer(args.hf_checkpoint)(prompt, add_special_tokens=False)["input_ids"])
 
 
-# ---- the session that mirrors the sample -------------------------------------------------------------------------
-async def mirror_session(gateway: GatewayClient, sample: Any, moe: MoEShape | None) -> Session:
-    """The gateway session holding exactly ``sample.tokens`` (created, reused, extended or recreated)."""
-    if sample.response_length == 0:
+# ---- one turn on the session that mirrors the sample -------------------------------------------------------------
+SYNC_TOKENS = 16  # last tokens sent with a sync: enough to tell a session apart from another sample's
+
+
+@dataclass
+class TurnCall:
+    """One model turn for ``sample`` on the session mirroring its tokens: normally one request."""
+
+    gateway: GatewayClient
+    sample: Any
+    params: dict[str, Any]
+    moe: MoEShape | None  # routing replay's shape, or None without replay
+    delete_after_turn: DeleteAfterTurn
+
+    async def run(self) -> TurnTensors:
+        if self.sample.response_length == 0:
+            try:
+                return await self._start()
+            except ConflictError as exc:
+                if exc.error_type != "session_exists":
+                    raise  # else: resumed (or re-sent) after the session was made: carry on with it
+        session = Session(self.gateway, self.sample.session_id)
+        tokens = self.sample.tokens
         try:
-            return await _create_from_sample(gateway, sample, moe)
+            return await self._turn(session)
+        except NotFoundError:
+            return await self._start()  # gone (a gateway restart, an expired session): from the whole sample
         except ConflictError as exc:
-            if exc.error_type != "session_exists":
+            if exc.error_type != "session_mismatch":
                 raise
-    session = Session(gateway, sample.session_id)
-    try:
-        state = await session.state()
-    except NotFoundError:
-        return await _create_from_sample(gateway, sample, moe)
-    plan = plan_mirror(state, sample.tokens, moe)
-    if plan == "append":
-        await session.append(sample.tokens[state.total_tokens :])
-    elif plan == "recreate":
+            held, last = int(exc.details["total_tokens"]), list(exc.details["last_tokens"])
+        if held < len(tokens) and list(tokens[held - len(last) : held]) == last:
+            await session.append(tokens[held:], sync=_sync(tokens[:held]))  # tokens the sample gained locally
+            return await self._turn(session)
         log.warning(
             "gateway session %s (%d tokens) does not match its sample (%d tokens); recreating it from the sample",
-            sample.session_id,
-            state.total_tokens,
-            len(sample.tokens),
+            self.sample.session_id,
+            held,
+            len(tokens),
         )
         await session.delete()
-        return await _create_from_sample(gateway, sample, moe)
-    return session
+        return await self._start()
+
+    async def _start(self) -> TurnTensors:
+        return await self.gateway.start_session(
+            prompt_ids=self.sample.tokens,
+            sampling_params=self.params,
+            return_routed_experts=self.moe is not None,
+            delete_after_turn=self.delete_after_turn,
+            num_layers=None if self.moe is None else self.moe.num_layers,
+            moe_router_topk=None if self.moe is None else self.moe.topk,
+            session_id=self.sample.session_id,
+        )
+
+    async def _turn(self, session: Session) -> TurnTensors:
+        return await session.generate_turn(
+            self.params,
+            return_routed_experts=self.moe is not None,
+            sync=_sync(self.sample.tokens),
+            delete_after_turn=self.delete_after_turn,
+        )
 
 
-def plan_mirror(state: SessionState, tokens: Sequence[int], moe: MoEShape | None) -> MirrorPlan:
-    """Whether an existing session can stand for a sample with ``tokens``: its tokens must be a prefix.
-
-    The gateway shows the session's length and last tokens; checking those (not every token) keeps this O(1).
-    """
-    if moe is not None and state.moe != moe:
-        return "recreate"
-    held = state.total_tokens
-    if held > len(tokens) or list(tokens[held - len(state.last_tokens) : held]) != state.last_tokens:
-        return "recreate"
-    return "reuse" if held == len(tokens) else "append"
+def _sync(tokens: Sequence[int]) -> SessionSync:
+    return SessionSync(len(tokens), tuple(int(t) for t in tokens[-SYNC_TOKENS:]))
 
 
-async def _create_from_sample(gateway: GatewayClient, sample: Any, moe: MoEShape | None) -> Session:
-    return await gateway.create_session(
-        prompt_ids=sample.tokens,
-        num_layers=None if moe is None else moe.num_layers,
-        moe_router_topk=None if moe is None else moe.topk,
-        session_id=sample.session_id,
-    )
-
-
-def _keep_session(args: Any, status: str) -> bool:
+def _delete_policy(args: Any) -> DeleteAfterTurn:
     if getattr(args, "gateway_keep_sessions", False):
-        return True
+        return "never"
     # With partial rollout, slime hands an aborted sample back to generate later: its session carries on.
-    return status in RESUMABLE_STATUSES and bool(getattr(args, "partial_rollout", False))
+    return "if_finished" if getattr(args, "partial_rollout", False) else "always"
 
 
 # ---- folding one turn onto the slime Sample -------------------------------------------------------------------
-def append_turn(sample: Any, turn: TurnResult, fetched: RolloutSample) -> None:
-    """Append this turn's tokens onto ``sample`` the way slime's ``append_response_tokens`` does.
-
-    Only the new part is taken from the fetched session sample (positions ``turn.prompt_length`` on), so the
-    sample's earlier response fields stay as the sample had them; routing replay covers the whole sequence and
-    replaces the stored routing, as slime does for a full (start_len 0) routing answer.
-    """
-    start = turn.prompt_length - fetched.prompt_length  # the turn's first token, as an index into the response
-    end = start + turn.completion_tokens
-    if start < 0 or end != fetched.response_length:
-        raise GatewayResponseError(
-            f"session {turn.session_id!r} changed between the turn and the fetch (turn covers response "
-            f"[{start}, {end}), the session has {fetched.response_length} response tokens)"
-        )
+def append_turn(sample: Any, turn: TurnTensors) -> None:
+    """Append a turn's own tensors onto ``sample`` the way slime's ``append_response_tokens`` does. Routing replay:
+    the turn's rows replace the sample's from ``routed_experts_first_row`` on (slime's fold with
+    ``routed_experts_start_len``)."""
     previous_length = sample.response_length
-    count = end - start
+    count = turn.num_tokens
     if count:
-        sample.tokens += fetched.tokens[turn.prompt_length :].tolist()
+        sample.tokens += turn.tokens.tolist()
         sample.response_length += count
         if sample.loss_mask is None:
             sample.loss_mask = [1] * previous_length
-        sample.loss_mask += fetched.loss_mask[start:end].tolist()
-    if turn.text:
-        sample.response += turn.text
-    _append_log_probs(sample, fetched.rollout_log_probs[start:end].tolist(), previous_length)
-    _append_top_p_spans(sample, fetched, start, end, previous_length)
-    if fetched.rollout_routed_experts is not None:
-        sample.rollout_routed_experts = fetched.routed_experts_int32()
-    _apply_terminal_info(sample, turn)
+        sample.loss_mask += turn.loss_mask.tolist()
+    if turn.result.text:
+        sample.response += turn.result.text
+    _append_log_probs(sample, turn.rollout_log_probs.tolist(), previous_length)
+    _append_top_p_spans(sample, turn, previous_length)
+    if turn.rollout_routed_experts is not None:
+        sample.rollout_routed_experts = _replayed_routing(sample, turn)
+    _apply_terminal_info(sample, turn.result)
+
+
+def _replayed_routing(sample: Any, turn: TurnTensors) -> torch.Tensor:
+    rows = turn.rollout_routed_experts
+    assert rows is not None
+    new = rows.to(torch.int32)
+    first = turn.routed_experts_first_row or 0
+    if not first:
+        return new
+    held = getattr(sample, "rollout_routed_experts", None)
+    if held is None or len(held) < first:
+        raise GatewayResponseError(
+            f"session {turn.result.session_id!r} sent routing rows from row {first}, but the sample holds "
+            f"{0 if held is None else len(held)} rows"
+        )
+    return torch.cat([torch.as_tensor(held, dtype=torch.int32)[:first], new])
 
 
 def _append_log_probs(sample: Any, log_probs: list[float], previous_length: int) -> None:
@@ -251,13 +270,11 @@ def _append_log_probs(sample: Any, log_probs: list[float], previous_length: int)
     sample.rollout_log_probs += log_probs
 
 
-def _append_top_p_spans(sample: Any, fetched: RolloutSample, start: int, end: int, previous_length: int) -> None:
-    ids, offsets = fetched.rollout_top_p_token_ids, fetched.rollout_top_p_token_offsets
-    if ids is None or offsets is None or start == end:
+def _append_top_p_spans(sample: Any, turn: TurnTensors, previous_length: int) -> None:
+    ids, offsets = turn.rollout_top_p_token_ids, turn.rollout_top_p_token_offsets
+    if ids is None or offsets is None or not turn.num_tokens:
         return
-    spans = offsets[start : end + 1]
-    new_ids = ids[int(spans[0]) : int(spans[-1])].to(torch.int32, copy=True)
-    new_offsets = (spans - spans[0]).to(torch.int32)
+    new_ids, new_offsets = ids.to(torch.int32, copy=True), offsets.to(torch.int32, copy=True)
     if getattr(sample, "rollout_top_p_token_offsets", None) is None:
         if previous_length:
             raise ValueError("top-p replay data arrived for a sample whose earlier response tokens have none")
@@ -291,7 +308,3 @@ def _spend_response_budget(params: dict[str, Any], response_length: int) -> bool
         return True
     params["max_new_tokens"] -= response_length
     return params["max_new_tokens"] > 0
-
-
-def _status_value(status: Any) -> str:
-    return str(getattr(status, "value", status))

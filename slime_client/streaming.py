@@ -11,6 +11,10 @@ Leaving the loop early (``break``, an exception, cancellation) closes the connec
 the upstream request and folds every token generated so far (status ``aborted``), so the session stays
 coherent and the next ``generate`` continues from it. ``async with`` makes the close immediate; a bare
 ``async for`` closes when the stream object is garbage collected.
+
+The request goes through the client's retry policy up to the answer's head (a connection that failed before the
+request left, or a 503, is retried; nothing is once an event may have arrived). The client's ``timeout`` is the
+deadline of the whole stream, to its last event. A stream read to its end leaves its connection to the pool.
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import orjson
 
-from slime_client.errors import GatewayResponseError, make_status_error, make_stream_error, translate_transport_error
+from slime_client.errors import GatewayResponseError, make_stream_error, translate_transport_error
 from slime_client.types import TurnResult
+from slime_wire.errors import TransportError
 from slime_wire.sse import SSEDecoder
 
 if TYPE_CHECKING:
@@ -76,21 +80,22 @@ class TurnStream:
         return self.result
 
     async def _iterate(self) -> AsyncIterator[TurnDelta | TurnResult]:
-        url = self._client.base_url + self._path
-        content = orjson.dumps(self._body)
-        headers = self._client._headers({"content-type": "application/json", "accept": "text/event-stream"})
-        http = self._client._http
+        response, _ = await self._client._send("POST", self._path, body=self._body, idempotent=False, stream=True)
+        pieces = response.iter_raw()
+        events = _sse_events(pieces)
         try:
-            async with http.stream("POST", url, content=content, headers=headers) as response:
-                if not response.is_success:
-                    await response.aread()
-                    raise make_status_error(response)
-                async for event in _sse_events(response):
-                    if event is None:
-                        return
-                    yield self._typed(event)
-        except httpx.HTTPError as exc:
-            raise translate_transport_error(exc, "POST", url) from exc
+            async for event in events:
+                if event is None:
+                    async for _ in pieces:  # the chunked body's end: the connection goes back to the pool
+                        pass
+                    return
+                yield self._typed(event)
+        except TransportError as exc:
+            raise translate_transport_error(exc, "POST", self._client.base_url + self._path) from exc
+        finally:
+            await events.aclose()
+            await pieces.aclose()
+            await response.aclose()  # closes the connection unless the answer was read to its end
 
     def _typed(self, event: dict[str, Any]) -> TurnDelta | TurnResult:
         kind = event.get("type")
@@ -106,11 +111,11 @@ class TurnStream:
         raise GatewayResponseError(f"POST {self._path}: unknown stream event {kind!r}")
 
 
-async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
+async def _sse_events(pieces: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any] | None]:
     """``data:`` payloads as JSON objects; ``None`` for ``[DONE]``. The SSE framing is ``slime_wire.sse``, which
     scans each byte once (a rescan of the buffer per read would be quadratic in an event's size)."""
     events = SSEDecoder()
-    async for chunk in response.aiter_raw():
+    async for chunk in pieces:
         for event in events.feed(chunk):
             if event.data == SSE_DONE:
                 yield None

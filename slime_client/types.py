@@ -7,7 +7,7 @@ gateway that adds fields never breaks an older SDK, and nothing it says is lost.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from slime_client.errors import GatewayResponseError
 
@@ -29,6 +29,23 @@ def build(cls: type[T], known: dict[str, Any], raw: dict[str, Any], *, what: str
         return cls(**known, raw=raw)
     except TypeError as exc:  # a required field is missing
         raise GatewayResponseError(f"{what}: {exc}") from exc
+
+
+# After a unary turn the gateway keeps the session ("never" deletes it), deletes it ("always"), or deletes it once its
+# sample is completed or truncated ("if_finished": pending and aborted ones stay, for a partial rollout to resume).
+DeleteAfterTurn = Literal["never", "always", "if_finished"]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSync:
+    """What a caller keeping its own copy of the tokens believes the session holds: its length and last tokens (at
+    most 64). The gateway refuses a turn or append that does not match (409 ``session_mismatch``)."""
+
+    total_tokens: int
+    last_tokens: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"total_tokens": self.total_tokens, "last_tokens": list(self.last_tokens)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +128,7 @@ class SessionState(SessionSummary):
     replay: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, ArraySpec] = field(default_factory=dict)
     weight_versions: list[str] = field(default_factory=list)
+    weight_version_table: list[str] = field(default_factory=list)  # what rollout_weight_version_ids index
     cached_tokens: int = 0
     prompt_tokens: int = 0
     spec_counters: dict[str, int] = field(default_factory=dict)

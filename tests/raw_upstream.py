@@ -97,7 +97,7 @@ def sse_event(payload: bytes) -> bytes:
 class RawUpstream:
     """The server. ``reply`` (settable any time) scripts the answer to each request; ``requests`` lists them."""
 
-    def __init__(self, reply: Reply | None = None) -> None:
+    def __init__(self, reply: Reply | None = None, *, port: int = 0) -> None:
         self.reply: Reply = reply or (lambda request: [http_response(sglang_answer(request))])
         self.requests: list[RawRequest] = []
         self.connections = 0
@@ -105,7 +105,7 @@ class RawUpstream:
         self._thread = threading.Thread(target=self._loop.run_forever, name="raw-upstream", daemon=True)
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self.port = 0
+        self.port = port  # 0: any free port, known once it listens
 
     @property
     def url(self) -> str:
@@ -114,7 +114,7 @@ class RawUpstream:
     def __enter__(self) -> RawUpstream:
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, "127.0.0.1", 0), self._loop
+            asyncio.start_server(self._serve, "127.0.0.1", self.port), self._loop
         ).result(5)
         self.port = self._server.sockets[0].getsockname()[1]
         return self

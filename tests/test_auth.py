@@ -500,23 +500,20 @@ async def test_sdk_sends_the_key_on_every_call(authed: Service) -> None:
         await session.delete()
 
 
-async def test_sdk_key_with_its_own_http_client(authed: Service) -> None:
-    async with httpx.AsyncClient(timeout=30) as own, GatewayClient(authed.url, api_key=KEYS[0], http_client=own) as gw:
-        session = await gw.create_session(prompt_ids=PROMPT)
-        await session.delete()
-    assert "authorization" not in own.headers  # the caller's client is not changed
-
-
 @pytest.mark.parametrize("api_key", ["", "wrong-key"], ids=["no key", "wrong key"])
-async def test_sdk_401_is_authentication_error_and_not_retried(authed: Service, api_key: str) -> None:
-    attempts = 0
+async def test_sdk_401_is_authentication_error_and_not_retried(
+    authed: Service, api_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with GatewayClient(authed.url, api_key=api_key, max_retries=2) as gw:
+        attempts = 0
+        send = gw._pool.request
 
-    async def count(request: httpx.Request) -> None:
-        nonlocal attempts
-        attempts += 1
+        async def count(*args: Any, **kwargs: Any) -> Any:
+            nonlocal attempts
+            attempts += 1
+            return await send(*args, **kwargs)
 
-    async with httpx.AsyncClient(event_hooks={"request": [count]}, timeout=30) as own:
-        gw = GatewayClient(authed.url, api_key=api_key, max_retries=2, http_client=own)
+        monkeypatch.setattr(gw._pool, "request", count)
         assert (await gw.health())["status"] == "ok"  # open
         attempts = 0
         with pytest.raises(AuthenticationError) as caught:
@@ -524,6 +521,7 @@ async def test_sdk_401_is_authentication_error_and_not_retried(authed: Service, 
         assert attempts == 1
         assert caught.value.status == 401 and caught.value.error_type == "unauthorized"
         assert caught.value.details["reason"] == ("missing" if not api_key else "invalid_key")
+        assert caught.value.headers["www-authenticate"].startswith("Bearer")
 
 
 async def test_sdk_stream_without_key_is_authentication_error(authed: Service, http: httpx.AsyncClient) -> None:

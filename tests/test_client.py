@@ -1,16 +1,22 @@
-"""slime_client.GatewayClient: end to end against the real gateway + simulator, and retries on a MockTransport."""
+"""slime_client.GatewayClient: end to end against the real gateway + simulator, and the retry policy and transport
+boundary against a raw-TCP stand-in for the gateway (tests/raw_upstream.py) that answers with scripted bytes."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import torch
+import uvloop
 from conftest import SIM_LAYERS, SIM_TOPK, Service
 from procs import free_port
+from raw_upstream import CLOSE, RawRequest, RawUpstream, Step, chunked, http_response
 
 from slime_client import (
     BadRequestError,
@@ -30,7 +36,19 @@ from slime_client import (
     UpstreamError,
     _retry,
 )
-from slime_client.errors import make_status_error
+from slime_client import client as client_module
+from slime_client.client import DEFAULT_TIMEOUT
+from slime_client.errors import make_status_error, translate_transport_error
+from slime_wire.errors import (
+    ConnectFailed,
+    ConnectionLost,
+    NotSent,
+    PoolTimeout,
+    ProtocolViolation,
+    ResponseTimeout,
+    SentError,
+    TransportError,
+)
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 TOOL = [900, 901, 902, 903]
@@ -63,10 +81,6 @@ async def generate_requests(sim: httpx.AsyncClient, session_id: str) -> list[dic
     """The /generate calls the simulator received for a session (the gateway's rids start with its id)."""
     log = (await sim.get("/sim/requests")).json()
     return [r for r in log if str((r["body"] or {}).get("rid", "")).startswith(f"{session_id}-")]
-
-
-def pool_connections(client: httpx.AsyncClient) -> list[Any]:
-    return list(client._transport._pool.connections)  # type: ignore[attr-defined]
 
 
 # ---- sessions end to end ------------------------------------------------------------------------------------------
@@ -247,22 +261,6 @@ async def test_invalid_upstream_answer_is_upstream_error(
     assert_same_sample(await session.fetch(), before)  # the failed turn left the session as it was
 
 
-async def test_gateway_down_is_connection_error_after_retries() -> None:
-    attempts = 0
-
-    async def count(request: httpx.Request) -> None:
-        nonlocal attempts
-        attempts += 1
-
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    async with httpx.AsyncClient(event_hooks={"request": [count]}) as http:
-        gw = GatewayClient(url, max_retries=2, http_client=http)
-        with pytest.raises(GatewayConnectionError) as caught:
-            await gw.create_session(prompt_ids=PROMPT)
-    assert attempts == 3
-    assert isinstance(caught.value.__cause__, httpx.ConnectError)
-
-
 async def test_503_turn_is_retried_and_succeeds(
     gw: GatewayClient, sim: httpx.AsyncClient, sim_faults: Callable[..., Any]
 ) -> None:
@@ -298,7 +296,7 @@ async def test_gateway_504_on_generate_is_not_retried(
 async def test_client_read_timeout_on_generate_is_not_retried(
     gateway: Service, sim: httpx.AsyncClient, sim_faults: Callable[..., Any]
 ) -> None:
-    async with GatewayClient(gateway.url, timeout=httpx.Timeout(0.3, connect=5.0)) as gw:
+    async with GatewayClient(gateway.url, timeout=0.3) as gw:
         session = await moe_session(gw)
         await sim_faults("delay", delay_s=1.0)
         with pytest.raises(GatewayTimeoutError):
@@ -308,6 +306,14 @@ async def test_client_read_timeout_on_generate_is_not_retried(
 
 
 # ---- connections -------------------------------------------------------------------------------------------------
+def pool_state(gw: GatewayClient) -> tuple[int, int]:
+    """(connections idle in the client's pool, connection slots in use)."""
+    pool = gw._pool
+    slots = pool._slots
+    in_use = 0 if slots is None else pool._max_connections - slots._value
+    return len(pool._idle), in_use
+
+
 async def test_no_connection_left_busy_after_failures_and_pool_closed(gateway: Service) -> None:
     async with GatewayClient(gateway.url) as gw:
         session = await gw.create_session(prompt_ids=PROMPT)
@@ -315,146 +321,315 @@ async def test_no_connection_left_busy_after_failures_and_pool_closed(gateway: S
             with pytest.raises(GatewayStatusError):
                 await failing
         await session.fetch()
-        connections = pool_connections(gw._http)
-        assert connections and all(c.is_idle() for c in connections)  # every response was read and released
+        idle, in_use = pool_state(gw)
+        assert idle >= 1 and in_use == 0  # every answer was read and its connection given back
+        assert gw._pool.connections_opened == 1  # ... and reused: one keep-alive connection did it all
     assert gw.is_closed
-    assert pool_connections(gw._http) == []
+    assert pool_state(gw) == (0, 0)
+    with pytest.raises(RuntimeError):
+        await gw.health()
 
 
-async def test_user_http_client_is_not_closed(gateway: Service) -> None:
-    async with httpx.AsyncClient() as http:
-        async with GatewayClient(gateway.url, http_client=http) as gw:
-            await gw.health()
-        assert not http.is_closed
-        assert (await http.get(f"{gateway.url}/health")).status_code == 200
+async def test_fetched_tensors_view_a_writable_buffer_of_their_own(gw: GatewayClient) -> None:
+    session = await moe_session(gw)
+    await session.generate({"max_new_tokens": 8, **TOP_P})
+    first, second = await session.fetch(), await session.fetch()
+    assert_same_sample(first, second)
+    routing = first.rollout_routed_experts
+    assert routing is not None
+    # zero-copy views of one body per fetch: the same buffer under every tensor, not shared between fetches
+    owner = first.tokens.untyped_storage().data_ptr()
+    assert first.tokens.data_ptr() - owner < 1 << 20 and routing.data_ptr() - owner < 1 << 20
+    assert second.tokens.data_ptr() != first.tokens.data_ptr()
+    first.tokens[0] = 7  # writable, without a copy, and without touching the other sample
+    assert int(second.tokens[0]) == PROMPT[0]
 
 
-# ---- retry policy on a MockTransport ----------------------------------------------------------------------------
+def test_sdk_runs_on_uvloop_and_on_plain_asyncio(gateway: Service) -> None:
+    async def conversation() -> int:
+        async with GatewayClient(gateway.url) as gw:
+            session = await moe_session(gw)
+            streamed = await session.generate({"max_new_tokens": 4}, stream=True).final()
+            turn = await session.generate({"max_new_tokens": 4})
+            sample = await session.fetch()
+            await session.delete()
+            assert len(sample.tokens) == len(PROMPT) + streamed.completion_tokens + turn.completion_tokens
+            return gw._pool.connections_opened
+
+    for factory in (uvloop.new_event_loop, asyncio.new_event_loop):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            assert runner.run(conversation()) == 1  # a stream read to its end leaves its connection reusable
+
+
+def test_keep_freed_memory_is_called_once_and_can_be_opted_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[bool] = []
+    monkeypatch.setattr(client_module, "keep_freed_memory", lambda: calls.append(True) or True)
+    client_module.keep_freed_memory_once.cache_clear()
+    try:
+        GatewayClient("http://127.0.0.1:9")
+        GatewayClient("http://127.0.0.1:9")
+        assert calls == [True]
+        client_module.keep_freed_memory_once.cache_clear()
+        monkeypatch.setenv("SLIME_CLIENT_KEEP_FREED_MEMORY", "0")
+        GatewayClient("http://127.0.0.1:9")
+        assert calls == [True] and client_module.keep_freed_memory_once() is False
+    finally:
+        client_module.keep_freed_memory_once.cache_clear()
+
+
+def test_settings_are_checked() -> None:
+    gw = GatewayClient("http://127.0.0.1:9/prefix/", timeout=30, connect_timeout=1.5)
+    assert (gw.base_url, gw.timeout, gw._pool.connect_timeout_s) == ("http://127.0.0.1:9/prefix", 30.0, 1.5)
+    assert GatewayClient("http://127.0.0.1:9").timeout == DEFAULT_TIMEOUT
+    for bad in ({"timeout": 0}, {"connect_timeout": -1}, {"max_retries": -1}):
+        with pytest.raises(ValueError):
+            GatewayClient("http://127.0.0.1:9", **bad)
+    with pytest.raises(ValueError):
+        GatewayClient("ftp://127.0.0.1:9")
+
+
+# ---- the retry policy and the transport boundary, against a raw-TCP stand-in for the gateway --------------------
+# Each outcome is the steps of one answer (tests/raw_upstream.py): what the stand-in does with one request.
+Outcome = list[Step]
+HANG_UP: Outcome = [CLOSE]  # read the request, close without a byte: ConnectionLost (it may have run)
+CUT: Outcome = [b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{", CLOSE]
+GARBAGE: Outcome = [b"HTTP/1.1 200 OK\r\ncontent-length: -5\r\n\r\n", CLOSE]  # ProtocolViolation
+STALL: Outcome = [2.0]  # no answer before the client's deadline: ResponseTimeout
+
+
+def answer(status: int, body: Any, **headers: str) -> Outcome:
+    return [http_response(orjson.dumps(body), status, headers, reason="X")]
+
+
+def error(status: int, error_type: str = "x") -> Outcome:
+    return answer(status, {"error": {"type": error_type, "message": f"status {status}"}})
+
+
+TURN = answer(200, {"session_id": "s", "new_token_ids": [1, 2], "completion_tokens": 2})
+STATE = answer(200, {"session_id": "s", "total_tokens": 3})
+
+
 class Script:
-    """A MockTransport handler that plays a list of outcomes (exception classes or responses) and counts calls."""
+    """A RawUpstream standing in for the gateway: answers its requests with ``outcomes`` in order (the last one
+    repeats) and records what arrived (``requests``, with the connection each came on)."""
 
-    def __init__(self, *outcomes: type[httpx.HTTPError] | httpx.Response) -> None:
+    def __init__(self, *outcomes: Outcome, port: int = 0) -> None:
         self.outcomes = list(outcomes)
-        self.calls: list[httpx.Request] = []
+        self.upstream = RawUpstream(self._reply, port=port)
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.calls.append(request)
-        outcome = self.outcomes.pop(0) if len(self.outcomes) > 1 else self.outcomes[0]
-        if isinstance(outcome, type):
-            raise outcome("scripted failure", request=request)
-        return outcome
+    def _reply(self, request: RawRequest) -> list[Step]:
+        return self.outcomes.pop(0) if len(self.outcomes) > 1 else self.outcomes[0]
+
+    @property
+    def requests(self) -> list[RawRequest]:
+        return self.upstream.requests
+
+    def __enter__(self) -> Script:
+        self.upstream.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.upstream.__exit__(*exc)
 
     def client(self, **kwargs: Any) -> GatewayClient:
-        http = httpx.AsyncClient(transport=httpx.MockTransport(self))
-        return GatewayClient("http://gateway.test", http_client=http, **kwargs)
+        return GatewayClient(self.upstream.url, **kwargs)
 
 
-TURN = httpx.Response(200, json={"session_id": "s", "new_token_ids": [1, 2], "completion_tokens": 2})
-STATE = httpx.Response(200, json={"session_id": "s", "total_tokens": 3})
+@pytest.fixture
+def retries(caplog: pytest.LogCaptureFixture) -> Callable[[], int]:
+    """How many retries the SDK logged so far."""
+    caplog.set_level(logging.INFO, logger="slime_client")
+    return lambda: sum("retry" in record.getMessage() for record in caplog.records)
 
 
-def error(status: int, error_type: str = "x") -> httpx.Response:
-    return httpx.Response(status, json={"error": {"type": error_type, "message": f"status {status}"}})
+async def test_not_sent_is_retried_even_for_a_turn(monkeypatch: pytest.MonkeyPatch, retries: Callable[[], int]) -> None:
+    """Connection refused (NotSent: nothing left this process) is retried for a POST; the gateway comes up in
+    the meantime and gets the turn exactly once."""
+    script = Script(TURN, port=free_port())
+    wait = GatewayClient._wait_before_retry
 
+    async def come_up_during_the_first_wait(self: GatewayClient, *args: Any) -> None:
+        if not script.upstream.port or script.upstream._server is None:
+            script.__enter__()
+        await wait(self, *args)
 
-async def test_connect_errors_before_sending_are_retried_for_generate() -> None:
-    script = Script(httpx.ConnectError, httpx.ConnectTimeout, TURN)
-    turn = await Session(script.client(), "s").generate({"max_new_tokens": 2})
+    monkeypatch.setattr(GatewayClient, "_wait_before_retry", come_up_during_the_first_wait)
+    try:
+        async with script.client() as gw:
+            turn = await Session(gw, "s").generate({"max_new_tokens": 2})
+    finally:
+        script.__exit__()
     assert turn.new_token_ids == [1, 2]
-    assert len(script.calls) == 3
+    assert [r.method for r in script.requests] == ["POST"] and retries() == 1
 
 
-async def test_503_then_success_is_retried() -> None:
-    script = Script(error(503, "upstream_unavailable"), TURN)
-    await Session(script.client(), "s").generate({})
-    assert len(script.calls) == 2
+async def test_gateway_down_is_connection_error_after_retries(retries: Callable[[], int]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    async with GatewayClient(url, max_retries=2) as gw:
+        with pytest.raises(GatewayConnectionError) as caught:
+            await gw.create_session(prompt_ids=PROMPT)
+    assert retries() == 2  # three attempts
+    assert isinstance(caught.value.__cause__, ConnectFailed) and isinstance(caught.value.__cause__, NotSent)
 
 
 @pytest.mark.parametrize(
-    ("failure", "raised"),
+    ("failure", "raised", "cause"),
     [
-        (httpx.ReadTimeout, GatewayTimeoutError),
-        (httpx.ReadError, GatewayConnectionError),
-        (httpx.RemoteProtocolError, GatewayConnectionError),
-        (error(502), UpstreamError),
-        (error(504), GatewayTimeout),
+        (HANG_UP, GatewayConnectionError, ConnectionLost),
+        (CUT, GatewayConnectionError, ConnectionLost),
+        (GARBAGE, GatewayConnectionError, ProtocolViolation),
+        (STALL, GatewayTimeoutError, ResponseTimeout),
+        (error(502), UpstreamError, None),
+        (error(504), GatewayTimeout, None),
     ],
+    ids=["hang-up", "cut", "garbage", "deadline", "502", "504"],
 )
 async def test_maybe_ran_turns_are_never_resubmitted(
-    failure: type[httpx.HTTPError] | httpx.Response, raised: type[GatewayError]
+    failure: Outcome, raised: type[GatewayError], cause: type[SentError] | None
 ) -> None:
+    """A SentError (the request may have run) or a 502/504: a POST is not sent again."""
     for call in ("generate", "append"):
-        script = Script(failure, TURN)
-        session = Session(script.client(), "s")
-        with pytest.raises(raised):
-            await (session.generate({}) if call == "generate" else session.append([1]))
-        assert len(script.calls) == 1, call
+        with Script(failure, TURN) as script:
+            async with script.client(timeout=0.3) as gw:
+                session = Session(gw, "s")
+                with pytest.raises(raised) as caught:
+                    await (session.generate({}) if call == "generate" else session.append([1]))
+            assert len(script.requests) == 1, call
+        if cause is not None:
+            assert isinstance(caught.value.__cause__, cause) and isinstance(caught.value.__cause__, SentError)
 
 
-@pytest.mark.parametrize("failure", [httpx.ReadTimeout, httpx.ReadError, httpx.RemoteProtocolError, error(502)])
-async def test_reads_are_retried_on_more(failure: type[httpx.HTTPError] | httpx.Response) -> None:
-    script = Script(failure, STATE)
-    state = await Session(script.client(), "s").state()
+@pytest.mark.parametrize("failure", [HANG_UP, CUT, GARBAGE, STALL, error(502), error(504)])
+async def test_reads_and_deletes_are_retried_on_more(failure: Outcome) -> None:
+    with Script(failure, STATE) as script:
+        async with script.client(timeout=0.3) as gw:
+            state = await Session(gw, "s").state()
     assert state.total_tokens == 3
-    assert len(script.calls) == 2
+    assert [r.method for r in script.requests] == ["GET", "GET"]
+    with Script(failure, answer(204, None)) as script:
+        async with script.client(timeout=0.3) as gw:
+            await Session(gw, "s").delete()
+    assert [r.method for r in script.requests] == ["DELETE", "DELETE"]
 
 
-async def test_retries_are_bounded_and_chain_the_cause() -> None:
-    script = Script(httpx.ConnectError)
-    with pytest.raises(GatewayConnectionError) as caught:
-        await Session(script.client(max_retries=1), "s").state()
-    assert len(script.calls) == 2
-    assert isinstance(caught.value.__cause__, httpx.ConnectError)
+async def test_503_is_retried_for_a_turn_and_a_stream() -> None:
+    with Script(error(503, "upstream_unavailable"), TURN) as script:
+        async with script.client() as gw:
+            await Session(gw, "s").generate({})
+    assert len(script.requests) == 2
+    turn_event = b"data: " + orjson.dumps({"type": "turn", "session_id": "s", "new_token_ids": [5]}) + b"\n\n"
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    stream_answer = head + chunked(turn_event, b"data: [DONE]\n\n")
+    with Script(error(503), [stream_answer]) as script:
+        async with script.client() as gw:
+            result = await Session(gw, "s").generate({}, stream=True).final()
+            again = await Session(gw, "s").generate({}, stream=True).final()
+    assert result.new_token_ids == again.new_token_ids == [5]
+    assert len(script.requests) == 3
+    assert script.requests[0].headers["accept"] == "text/event-stream"
+    assert script.requests[1].connection == script.requests[2].connection  # a finished stream's connection is reused
 
 
-async def test_max_retries_zero_sends_once() -> None:
-    script = Script(error(503), TURN)
-    with pytest.raises(ServiceUnavailableError):
-        await Session(script.client(max_retries=0), "s").generate({})
-    assert len(script.calls) == 1
+async def test_503_until_retries_run_out_and_max_retries_zero() -> None:
+    with Script(error(503)) as script:
+        async with script.client(max_retries=1) as gw:
+            with pytest.raises(ServiceUnavailableError):
+                await Session(gw, "s").generate({})
+    assert len(script.requests) == 2
+    with Script(error(503), TURN) as script:
+        async with script.client(max_retries=0) as gw:
+            with pytest.raises(ServiceUnavailableError):
+                await Session(gw, "s").generate({})
+    assert len(script.requests) == 1
 
 
 async def test_bad_requests_and_conflicts_are_not_retried() -> None:
-    for status in (400, 404, 409, 422, 500):
-        script = Script(error(status), STATE)
-        with pytest.raises(GatewayStatusError):
-            await Session(script.client(), "s").state()
-        assert len(script.calls) == 1, status
+    for status in (400, 401, 404, 409, 422, 500):
+        with Script(error(status), STATE) as script:
+            async with script.client() as gw:
+                with pytest.raises(GatewayStatusError) as caught:
+                    await Session(gw, "s").state()
+        assert len(script.requests) == 1, status
+        assert caught.value.status == status
 
 
 async def test_delete_retried_after_lost_answer_counts_404_as_done() -> None:
-    script = Script(httpx.ReadError, error(404, "session_not_found"))
-    await Session(script.client(), "s").delete()
-    assert [r.method for r in script.calls] == ["DELETE", "DELETE"]
+    with Script(HANG_UP, error(404, "session_not_found")) as script:
+        async with script.client() as gw:
+            await Session(gw, "s").delete()
+    assert [r.method for r in script.requests] == ["DELETE", "DELETE"]
 
 
-async def test_request_body_and_path() -> None:
-    script = Script(httpx.Response(201, json={"session_id": "a/b", "prompt_length": 2}))
-    session = await script.client().create_session(prompt_ids=[1, 2], session_id="a/b", metadata={"k": 1})
-    request = script.calls[0]
-    assert request.url.path == "/v1/sessions"
-    assert request.headers["content-type"] == "application/json"
-    assert httpx.Response(200, content=request.content).json() == {
-        "prompt_ids": [1, 2],
-        "session_id": "a/b",
-        "metadata": {"k": 1},
-    }
+async def test_deadline_covers_the_whole_answer_not_each_read() -> None:
+    """An answer that drips in (each byte well within the deadline) is cut at the deadline: a per-call deadline."""
+    body = orjson.dumps({"session_id": "s", "total_tokens": 3})
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+    drip: Outcome = [head]
+    for byte in body:
+        drip += [0.05, bytes([byte])]
+    with Script(drip) as script:
+        async with script.client(timeout=0.4, max_retries=0) as gw:
+            started = time.monotonic()
+            with pytest.raises(GatewayTimeoutError):
+                await Session(gw, "s").state()
+            assert time.monotonic() - started < 1.0
+    with Script(drip) as script:
+        async with script.client(timeout=10) as gw:
+            assert (await Session(gw, "s").state()).total_tokens == 3  # the same drip, within a longer deadline
+
+
+async def test_a_stream_that_stalls_is_cut_at_the_deadline_and_not_resent() -> None:
+    delta = orjson.dumps({"type": "delta", "token_ids": [1], "text": "a", "completion_tokens": 1})
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    stalled: Outcome = [head + b"%x\r\n%s\r\n" % (len(delta) + 8, b"data: " + delta + b"\n\n"), 5.0]
+    with Script(stalled) as script:
+        async with script.client(timeout=0.5) as gw:
+            events = []
+            with pytest.raises(GatewayTimeoutError) as caught:
+                async with Session(gw, "s").generate({}, stream=True) as stream:
+                    async for event in stream:
+                        events.append(event)
+    assert [e.token_ids for e in events] == [[1]]  # what arrived before the deadline was handed out
+    assert isinstance(caught.value.__cause__, ResponseTimeout)
+    assert len(script.requests) == 1
+
+
+async def test_request_body_path_and_headers() -> None:
+    with Script(answer(201, {"session_id": "a/b", "prompt_length": 2})) as script:
+        async with script.client(api_key="k1") as gw:
+            session = await gw.create_session(prompt_ids=[1, 2], session_id="a/b", metadata={"k": 1})
+            await session.state(full=True)
+    create, state = script.requests
+    assert (create.method, create.path) == ("POST", "/v1/sessions")
+    assert create.headers["content-type"] == "application/json"
+    assert create.headers["authorization"] == "Bearer k1"
+    assert create.json == {"prompt_ids": [1, 2], "session_id": "a/b", "metadata": {"k": 1}}
     assert session._path == "/v1/sessions/a%2Fb"  # ids are quoted into the path
+    assert (state.method, state.path) == ("GET", "/v1/sessions/a%2Fb?full=true")
+
+
+async def test_big_json_answers_are_read_whole() -> None:
+    big = {"session_id": "s", "total_tokens": 3, "pad": "x" * (1 << 20)}  # past the pooled-buffer threshold
+    with Script(answer(200, big)) as script:
+        async with script.client() as gw:
+            for _ in range(3):
+                state = await Session(gw, "s").state()
+                assert state.raw["pad"] == big["pad"]
 
 
 async def test_unreadable_success_answers_are_response_errors() -> None:
-    not_json = httpx.Response(200, content=b"<html>proxy</html>")
-    with pytest.raises(GatewayResponseError):
-        await Session(Script(not_json).client(), "s").state()
-    wrong_type = httpx.Response(200, json={"not": "safetensors"})
-    with pytest.raises(GatewayResponseError):
-        await Session(Script(wrong_type).client(), "s").fetch()
-    garbage = httpx.Response(200, content=b"\x00" * 16, headers={"content-type": "application/vnd.safetensors"})
-    with pytest.raises(GatewayResponseError):
-        await Session(Script(garbage).client(), "s").fetch()
-    missing_id = httpx.Response(200, json={"status": "pending"})
-    with pytest.raises(GatewayResponseError):
-        await Session(Script(missing_id).client(), "s").state()
+    safetensors = "application/vnd.safetensors"
+    for outcome, call in [
+        ([http_response(b"<html>proxy</html>", headers={"content-type": "text/html"})], "state"),
+        (answer(200, {"not": "safetensors"}), "fetch"),
+        ([http_response(b"\x00" * 16, headers={"content-type": safetensors})], "fetch"),
+        (answer(200, {"status": "pending"}), "state"),
+    ]:
+        with Script(outcome) as script:
+            async with script.client() as gw:
+                session = Session(gw, "s")
+                with pytest.raises(GatewayResponseError):
+                    await (session.state() if call == "state" else session.fetch())
 
 
 # ---- pure pieces --------------------------------------------------------------------------------------------------
@@ -474,16 +649,32 @@ async def test_unreadable_success_answers_are_response_errors() -> None:
 )
 def test_make_status_error_maps_status_to_class(status: int, error_class: type[GatewayStatusError]) -> None:
     body = {"error": {"type": "some_type", "message": "what happened", "session_id": "s1"}}
-    exc = make_status_error(httpx.Response(status, json=body))
+    exc = make_status_error(status, orjson.dumps(body), [(b"retry-after", b"3"), (b"Retry-After", b"9")])
     assert type(exc) is error_class
     assert (exc.status, exc.error_type, exc.message, exc.body) == (status, "some_type", "what happened", body)
     assert exc.details == {"session_id": "s1"}
+    assert exc.headers == {"retry-after": "3"}
 
 
 def test_make_status_error_without_gateway_body() -> None:
-    exc = make_status_error(httpx.Response(502, text="Bad Gateway from nginx"))
+    exc = make_status_error(502, b"Bad Gateway from nginx")
     assert isinstance(exc, UpstreamError)
     assert exc.error_type is None and exc.message == "Bad Gateway from nginx" and exc.details == {}
+    assert make_status_error(503, b"").message == "Service Unavailable"
+
+
+def test_translate_transport_error() -> None:
+    expected: dict[type[TransportError], type[GatewayError]] = {
+        ConnectFailed: GatewayConnectionError,
+        PoolTimeout: GatewayTimeoutError,
+        ResponseTimeout: GatewayTimeoutError,
+        ConnectionLost: GatewayConnectionError,
+        ProtocolViolation: GatewayConnectionError,
+        TransportError: GatewayError,
+    }
+    for transport_error, sdk_error in expected.items():
+        translated = translate_transport_error(transport_error("boom"), "GET", "http://gw/x")
+        assert type(translated) is sdk_error and "GET http://gw/x" in str(translated)
 
 
 def test_retry_delay_grows_caps_and_jitters() -> None:
@@ -495,14 +686,14 @@ def test_retry_delay_grows_caps_and_jitters() -> None:
 
 
 def test_retry_rules() -> None:
-    request = httpx.Request("POST", "http://x")
-    for exc in (httpx.ConnectError("x", request=request), httpx.PoolTimeout("x", request=request)):
+    for exc in (ConnectFailed("x"), PoolTimeout("x")):  # NotSent: any method
         assert _retry.retryable_error(exc, idempotent=False)
         assert not _retry.may_have_arrived(exc)
-    for exc in (httpx.ReadTimeout("x", request=request), httpx.RemoteProtocolError("x", request=request)):
+    for exc in (ResponseTimeout("x"), ConnectionLost("x"), ProtocolViolation("x")):  # SentError: idempotent only
         assert not _retry.retryable_error(exc, idempotent=False)
         assert _retry.retryable_error(exc, idempotent=True)
-    assert not _retry.retryable_error(httpx.UnsupportedProtocol("x", request=request), idempotent=True)
+        assert _retry.may_have_arrived(exc)
+    assert not _retry.retryable_error(TransportError("x"), idempotent=True)
     assert _retry.retryable_status(503, idempotent=False)
     assert not any(_retry.retryable_status(s, idempotent=False) for s in (400, 409, 500, 502, 504))
     assert all(_retry.retryable_status(s, idempotent=True) for s in (502, 503, 504))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import orjson
 import pytest
 import torch
 from safetensors.numpy import save
@@ -48,3 +49,33 @@ def test_matches_safetensors_own_loader_without_copying() -> None:
 def test_malformed_bodies_are_clear_errors(corrupt) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(GatewayResponseError):
         _load_tensors(corrupt(sample_bytes()))
+
+
+def test_tensors_view_a_numpy_body_in_place() -> None:
+    """What GatewayClient hands over: the body received into a numpy buffer; the tensors are views of it, writable."""
+    body = np.frombuffer(sample_bytes(), np.uint8).copy()
+    tensors = _load_tensors(body)
+    routing = tensors["rollout_routed_experts"]
+    assert body.ctypes.data <= routing.data_ptr() < body.ctypes.data + len(body)
+    routing[0, 0, 0] = 200
+    assert 200 in body  # the same memory, no copy
+    tokens = tensors["tokens"]
+    expected = tokens.tolist()
+    del body, tensors, routing
+    assert tokens.tolist() == expected  # the tensors keep their buffer alive
+
+
+def test_an_unaligned_entry_is_read_right() -> None:
+    """torch views bytes as int32 only at an aligned offset; an entry that is not (safetensors writers align every
+    entry, other writers may not) is copied rather than refused."""
+    entries = {
+        "byte": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        "ints": {"dtype": "I32", "shape": [2, 1], "data_offsets": [1, 9]},
+    }
+    header = orjson.dumps(entries)
+    header += b" " * (-len(header) % 8)
+    data = b"\x07" + np.array([5, -6], np.int32).tobytes()
+    body = len(header).to_bytes(8, "little") + header + data
+    tensors = _load_tensors(body)
+    assert tensors["byte"].tolist() == [7]
+    assert tensors["ints"].tolist() == [[5], [-6]] and tensors["ints"].dtype == torch.int32

@@ -25,7 +25,6 @@ from slime_reference import ReferenceArgs, ReferenceSample
 
 from slime_client import GatewayClient, NotFoundError, RolloutSample
 from slime_client import slime as dropin
-from slime_client.types import MoEShape, SessionState
 
 PROMPT = [101, 102, 103, 104, 105]
 TOOL = [950, 951, 952]
@@ -354,17 +353,6 @@ async def test_one_shared_client_per_loop_and_url() -> None:
     assert dropin.client_for("http://a.test") is not first
 
 
-def test_plan_mirror() -> None:
-    moe = MoEShape(SIM_LAYERS, SIM_TOPK)
-    state = SessionState(session_id="s", total_tokens=4, last_tokens=[1, 2, 3, 4], moe=moe)
-    assert dropin.plan_mirror(state, [1, 2, 3, 4], moe) == "reuse"
-    assert dropin.plan_mirror(state, [1, 2, 3, 4, 9], moe) == "append"
-    assert dropin.plan_mirror(state, [1, 2, 3, 5, 9], moe) == "recreate"  # not a prefix
-    assert dropin.plan_mirror(state, [1, 2, 3], moe) == "recreate"  # the session is ahead of the sample
-    assert dropin.plan_mirror(state, [1, 2, 3, 4], MoEShape(8, 2)) == "recreate"
-    assert dropin.plan_mirror(state, [1, 2, 3, 4], None) == "reuse"
-
-
 # ---- RolloutSample.to_slime ---------------------------------------------------------------------------------------
 async def test_to_slime_writes_slime_types(gw: GatewayClient) -> None:
     session = await gw.create_session(prompt_ids=PROMPT, num_layers=SIM_LAYERS, moe_router_topk=SIM_TOPK)
@@ -401,3 +389,57 @@ async def test_concurrent_group_shares_one_client(gateway: Service) -> None:
         assert sample.response_length == len(sample.loss_mask) == len(sample.rollout_log_probs) > 0
         assert tuple(sample.rollout_routed_experts.shape) == (len(sample.tokens) - 1, SIM_LAYERS, SIM_TOPK)
     assert list(dropin._clients[asyncio.get_running_loop()]) == [(gateway.url, "")]  # (url, API key)
+
+
+# ---- round trips ----------------------------------------------------------------------------------------------------
+async def gateway_requests(gateway: Service) -> dict[str, float]:
+    """``gateway_requests_total`` by ``METHOD route``, from the gateway's own /metrics."""
+    async with httpx.AsyncClient(base_url=gateway.url) as client:
+        text = (await client.get("/metrics")).text
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("gateway_requests_total{"):
+            labels, value = line[len("gateway_requests_total{") :].rsplit("} ", 1)
+            fields = dict(item.split("=", 1) for item in labels.split(","))
+            key = f"{fields['method'].strip(chr(34))} {fields['route'].strip(chr(34))}"
+            counts[key] = counts.get(key, 0) + float(value)
+    return counts
+
+
+async def requests_during(gateway: Service, call: Callable[[], Any]) -> dict[str, float]:
+    before = await gateway_requests(gateway)
+    await call()
+    after = await gateway_requests(gateway)
+    changed = {key: after[key] - before.get(key, 0) for key in after if after[key] != before.get(key, 0)}
+    changed.pop("GET /metrics", None)  # the scrape itself
+    return changed
+
+
+GENERATE = "POST /v1/sessions/{session_id}/generate"
+
+
+async def test_one_request_per_model_turn(gateway: Service, gw: GatewayClient) -> None:
+    """A single-turn sample: one request in all (created, generated, deleted). Resumed turns: one each, never a fetch
+    of the history; tokens the sample gained locally cost the append they need (after the refused sync)."""
+    sample, _ = new_sample()
+    single = await requests_during(
+        gateway, lambda: dropin.generate(make_args(gateway.url), sample, {"max_new_tokens": 5})
+    )
+    assert single == {"POST /v1/sessions": 1}
+    with pytest.raises(NotFoundError):
+        await gw.session(sample.session_id)
+
+    args = make_args(gateway.url, gateway_keep_sessions=True)
+    sample, _ = new_sample()
+
+    def turn(budget: int) -> Callable[[], Any]:  # slime's max_new_tokens covers the whole response: 4 more each time
+        return lambda: dropin.generate(args, sample, {"max_new_tokens": budget, "ignore_eos": True})
+
+    assert await requests_during(gateway, turn(4)) == {"POST /v1/sessions": 1}
+    for budget in (8, 12, 16):
+        assert await requests_during(gateway, turn(budget)) == {GENERATE: 1}
+    append_tool_tokens(sample, TOOL, " <tool>")
+    with_tool = await requests_during(gateway, turn(sample.response_length + 4))
+    assert with_tool == {GENERATE: 2, "POST /v1/sessions/{session_id}/append": 1}
+    fetched = await (await gw.session(sample.session_id)).fetch()
+    assert fetched.tokens.tolist() == sample.tokens and fetched.loss_mask.tolist() == sample.loss_mask

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
 import pytest
 import uvloop
 from raw_upstream import CLOSE, RESET, RawRequest, RawUpstream, Step, chunked, http_response
@@ -278,6 +279,122 @@ def test_big_body_arriving_slowly_in_pieces(run: Run, upstream: RawUpstream) -> 
             _, content = await fetch_raw(pool, b"/")
             assert isinstance(content, mmap.mmap) and content[:] == body
             assert (await fetch(pool))[1] == body and pool.connections_opened == 1
+
+    run(main())
+
+
+# ---- read(into=...): the body straight into the caller's buffer -----------------------------------------------------
+def test_read_into_a_callers_buffer(run: Run, upstream: RawUpstream) -> None:
+    pieces = [pattern(n, n) for n in (10, 70_000, 3)]
+    answers = {
+        "/big": ok(pattern(3 * RECEIVE_BUFFER_BYTES + 5, 1)),
+        "/small": ok(b"tiny"),
+        "/empty": ok(b""),
+        "/chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(*pieces),
+    }
+    bodies = {
+        "/big": pattern(3 * RECEIVE_BUFFER_BYTES + 5, 1),
+        "/small": b"tiny",
+        "/empty": b"",
+        "/chunked": b"".join(pieces),
+    }
+    upstream.reply = lambda request: [answers[request.path]]
+
+    async def main() -> None:
+        asked: list[int] = []
+
+        def allocate(size: int) -> np.ndarray:
+            asked.append(size)
+            return np.empty(size, np.uint8)
+
+        async with open_pool(upstream.url) as pool:
+            for _ in range(2):
+                for path, body in bodies.items():
+                    response = await pool.request("GET", path.encode(), timeout=3)
+                    got = await response.read(into=allocate)
+                    assert isinstance(got, np.ndarray) and got.tobytes() == body, path
+                    assert asked[-1] == len(body)  # once, with the Content-Length (the chunked one: when all is in)
+            response = await pool.request("GET", b"/big", timeout=3)
+            buffer = await response.read(into=bytearray)
+            assert buffer == bodies["/big"]
+            buffer.extend(b"!")  # no view of it is left behind: it can be resized
+            assert len(asked) == 8 and pool.connections_opened == 1  # every answer read whole, the connection kept
+            assert pool.buffers._spare == []  # nothing of the caller's goes to the pool
+
+    run(main())
+
+
+def test_read_into_a_body_arriving_slowly_then_more_answers_on_the_connection(run: Run, upstream: RawUpstream) -> None:
+    """A Content-Length body received into its buffer is counted, not handed to llhttp: the connection's next answers
+    (any framing) are read by a fresh parser, and read right."""
+    body = pattern(1 << 20)
+    answer = ok(body)
+    steps: list[Step] = []
+    for start in range(0, len(answer), 100_000):
+        steps += [answer[start : start + 100_000], 0.002]
+    chunked_answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(b"ab", b"cd")
+    upstream.reply = lambda request: {"/slow": steps, "/chunked": [chunked_answer]}.get(request.path) or echo(request)
+
+    async def main() -> None:
+        async with open_pool(upstream.url) as pool:
+            for _ in range(2):
+                response = await pool.request("GET", b"/slow", timeout=3)
+                assert (await response.read(into=bytearray)) == body
+                assert (await fetch(pool, b"/chunked"))[1] == b"abcd"
+                assert (await fetch(pool, b"/next", "POST", b"x"))[1] == b"POST /next x"
+                _, pooled = await fetch_raw(pool, b"/slow")  # the pooled-buffer path is counted alike
+                assert pooled[:] == body
+            assert pool.connections_opened == 1
+
+    run(main())
+
+
+@pytest.mark.parametrize("into", [True, False], ids=["into", "pooled"])
+def test_a_counted_body_keeps_the_heads_verdict_and_what_follows_it_poisons(
+    run: Run, upstream: RawUpstream, into: bool
+) -> None:
+    body = pattern(3 * BIG_BODY_BYTES)
+    answers: dict[str, list[Step]] = {
+        "/close": [ok(body, connection="close")],
+        "/http10": [b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body],
+        "/http10-keep": [b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: %d\r\n\r\n" % len(body) + body],
+        "/then-more": [ok(body) + ok(b"stale")],
+        "/then-more-later": [ok(body), 0.05, ok(b"stale")],
+    }
+    upstream.reply = lambda request: answers.get(request.path) or echo(request)
+
+    async def main() -> None:
+        for path, reused in [
+            ("/close", False),
+            ("/http10", False),
+            ("/http10-keep", True),
+            ("/then-more", False),
+            ("/then-more-later", False),
+        ]:
+            async with open_pool(upstream.url) as pool:
+                response = await pool.request("GET", path.encode(), timeout=3)
+                got = await (response.read(into=bytearray) if into else response.read())
+                assert got[:] == body, path
+                if not isinstance(got, bytearray):
+                    pool.buffers.give_back(got)
+                await asyncio.sleep(0.1)
+                assert (await fetch(pool, b"/next"))[1] == b"GET /next "
+                assert pool.connections_opened == (1 if reused else 2), path
+
+    run(main())
+
+
+def test_read_into_refuses_a_buffer_it_cannot_fill(run: Run, upstream: RawUpstream) -> None:
+    upstream.reply = lambda request: [ok(b"hello")]
+
+    async def main() -> None:
+        async with open_pool(upstream.url) as pool:
+            for into, error in [(bytes, TypeError), (lambda size: bytearray(size + 1), ValueError)]:
+                response = await pool.request("GET", b"/", timeout=3)
+                with pytest.raises(error):
+                    await response.read(into=into)
+            two_bytes = await pool.request("GET", b"/", timeout=3)  # any C-contiguous layout: counted in bytes
+            assert bytes(await two_bytes.read(into=lambda size: np.zeros((1, size), np.uint8))) == b"hello"
 
     run(main())
 
@@ -575,6 +692,42 @@ async def fail_unbufferable_length(pool: ConnectionPool) -> None:
         await response.read()  # no map holds 2**63 bytes: a TransportError, and the response closed by read
 
 
+async def fail_into_lost_mid_body(pool: ConnectionPool) -> None:
+    response = await pool.request("GET", b"/cut", timeout=3)
+    with pytest.raises(ConnectionLost):
+        await response.read(into=bytearray)
+
+
+async def fail_into_body_timeout(pool: ConnectionPool) -> None:
+    response = await pool.request("GET", b"/slow-body", timeout=0.2)
+    with pytest.raises(ResponseTimeout):
+        await response.read(into=bytearray)
+
+
+async def fail_into_unbufferable_length(pool: ConnectionPool) -> None:
+    response = await pool.request("GET", b"/huge-length", timeout=3)
+    with pytest.raises(ProtocolViolation):
+        await response.read(into=bytearray)  # the allocator cannot: a TransportError, and the response closed
+
+
+async def fail_into_wrong_buffer(pool: ConnectionPool) -> None:
+    response = await pool.request("GET", b"/slow-body", timeout=3)
+    with pytest.raises(ValueError):
+        await response.read(into=lambda size: bytearray(size + 1))  # the caller's bug: raised as is, slot freed
+
+
+async def cancel_in_read_into(pool: ConnectionPool) -> None:
+    async def call() -> None:
+        response = await pool.request("GET", b"/slow-body", timeout=3)
+        await response.read(into=bytearray)
+
+    task = asyncio.create_task(call())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def fail_head_too_big(pool: ConnectionPool) -> None:
     with pytest.raises(ProtocolViolation):
         await pool.request("GET", b"/big-head", timeout=3)
@@ -601,6 +754,11 @@ FAILURES: dict[str, Callable[[ConnectionPool], Awaitable[None]]] = {
         close_unread,
         break_out_of_iter_raw,
         fail_unbufferable_length,
+        fail_into_lost_mid_body,
+        fail_into_body_timeout,
+        fail_into_unbufferable_length,
+        fail_into_wrong_buffer,
+        cancel_in_read_into,
         fail_head_too_big,
         fail_refused_header,
     )
