@@ -128,6 +128,10 @@ class Services:
         """A second gateway with ``GATEWAY_INCREMENTAL_ROUTING=false``: whole routing history every turn."""
         return self._gateway("gateway (full routing)", incremental=False)
 
+    def extra_gateway(self, name: str) -> ServerProcess:
+        """Another gateway before the same simulator, for a row that needs a process of its own (its memory)."""
+        return self._gateway(name, incremental=True)
+
     def _gateway(self, name: str, *, incremental: bool) -> ServerProcess:
         upstream = self.simulator.url
         env = {"GATEWAY_INCREMENTAL_ROUTING": "true" if incremental else "false"}

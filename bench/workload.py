@@ -121,6 +121,24 @@ class ReceiveShape:
 
 
 @dataclass(frozen=True, slots=True)
+class DropinShape:
+    """Row 11: one multi-turn sample through the slime drop-in, turn by turn."""
+
+    prompt_tokens: int = 2_048
+    turns: int = 20
+    turn_tokens: int = 256
+    rounds: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class GroupShape:
+    """Row 12: a training step's group of big samples, fetched in one call."""
+
+    samples: int = 64
+    steps: int = 3  # fetches after the first (steady state)
+
+
+@dataclass(frozen=True, slots=True)
 class Suite:
     """Every size the rows use. ``FULL`` is the realistic shape; ``QUICK`` keeps the smoke test fast."""
 
@@ -135,6 +153,8 @@ class Suite:
     stream: StreamShape
     stream_turn: StreamTurnShape
     receive: ReceiveShape
+    dropin: DropinShape
+    group: GroupShape
 
     @property
     def moe(self) -> MoE:
@@ -153,6 +173,8 @@ FULL = Suite(
     stream=StreamShape(),
     stream_turn=StreamTurnShape(),
     receive=ReceiveShape(),
+    dropin=DropinShape(),
+    group=GroupShape(),
 )
 
 QUICK = Suite(
@@ -167,6 +189,8 @@ QUICK = Suite(
     stream=StreamShape(lengths=(256, 1_024), repeat=1),
     stream_turn=StreamTurnShape(prompt_tokens=256, response_tokens=1_024, rounds=2),
     receive=ReceiveShape(sizes=(1 << 20,), rounds=2),
+    dropin=DropinShape(prompt_tokens=128, turns=4, turn_tokens=32, rounds=1),
+    group=GroupShape(samples=4, steps=2),
 )
 
 

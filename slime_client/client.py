@@ -22,7 +22,7 @@ import orjson
 
 from slime_client import _retry
 from slime_client.errors import GatewayResponseError, make_status_error, translate_transport_error
-from slime_client.sample import RolloutSample, TurnTensors, new_sample_buffer
+from slime_client.sample import RolloutSample, SampleBuffers, TurnTensors
 from slime_client.streaming import TurnStream
 from slime_client.types import DeleteAfterTurn, SessionState, SessionSummary, SessionSync, TurnResult
 from slime_wire.errors import TransportError
@@ -118,6 +118,7 @@ class GatewayClient:
             buffers=BodyBuffers(SPARE_BUFFER_BYTES),
             user_agent=USER_AGENT,
         )
+        self._sample_buffers = SampleBuffers()  # where sample bodies are received (big ones: reused once free)
         self._closed = False
         keep_freed_memory_once()
 
@@ -238,7 +239,7 @@ class GatewayClient:
         """A sample's safetensors body, received straight into a buffer of its own (``new_sample_buffer``) that
         the sample's tensors then view. ``idempotent``: as for ``_json`` (a turn answered in tensors is not)."""
         response, content = await self._send(
-            method, path, body=body, idempotent=idempotent, into=new_sample_buffer, accept=SAFETENSORS_ACCEPT
+            method, path, body=body, idempotent=idempotent, into=self._sample_buffers.take, accept=SAFETENSORS_ACCEPT
         )
         media_type = response.content_type or ""
         if not media_type.startswith(SAFETENSORS_MEDIA_TYPE):

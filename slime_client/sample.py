@@ -13,6 +13,7 @@ Python lists slime wants.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -279,6 +280,37 @@ def set_prefix_cache_totals(sample: Any, *, cached_tokens: int, prompt_tokens: i
         return
     info.cached_tokens = cached_tokens
     info.total_prompt_tokens = prompt_tokens
+
+
+# glibc's largest mmap threshold (``keep_freed_memory`` sets it): below it a freed body's malloc memory is reused warm,
+# above it every allocation is a fresh map whose pages fault in (~1 ms per MB here): a group of 64 big samples,
+# ~250 MB, would cost a quarter of a second of page faults per training step.
+POOLED_BODY_BYTES = 32 << 20
+DEFAULT_POOL_BYTES = 1 << 30
+
+
+class SampleBuffers:
+    """Receive memory for sample bodies: ``new_sample_buffer``'s for ordinary ones; a big body (a group) gets a kept
+    buffer back once nothing views the previous body in it any more (the tensors of a finished training step were
+    dropped), so a training loop's group fetches reuse warm memory. At most ``pool_bytes`` are kept."""
+
+    def __init__(self, pool_bytes: int = DEFAULT_POOL_BYTES) -> None:
+        self._pool_bytes = pool_bytes
+        self._kept: list[np.ndarray] = []
+
+    def take(self, size: int) -> np.ndarray:
+        if size < POOLED_BODY_BYTES:
+            return new_sample_buffer(size)
+        for kept in self._kept:
+            # References: the list, this loop's name, getrefcount's argument. One more is a view still alive (the
+            # tensors of a previous body keep their views, and the views this buffer).
+            if len(kept) >= size and sys.getrefcount(kept) <= 3:
+                return kept[:size]
+        buffer = new_sample_buffer(size)
+        if sum(len(kept) for kept in self._kept) + size <= self._pool_bytes:
+            self._kept.append(buffer)
+            return buffer[:size]
+        return buffer
 
 
 def new_sample_buffer(size: int) -> np.ndarray:

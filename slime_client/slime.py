@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from slime_client.client import GatewayClient, Session
@@ -246,17 +247,38 @@ def append_turn(sample: Any, turn: TurnTensors) -> None:
 def _replayed_routing(sample: Any, turn: TurnTensors) -> torch.Tensor:
     rows = turn.rollout_routed_experts
     assert rows is not None
-    new = rows.to(torch.int32)
     first = turn.routed_experts_first_row or 0
-    if not first:
-        return new
-    held = getattr(sample, "rollout_routed_experts", None)
-    if held is None or len(held) < first:
+    held = getattr(sample, "rollout_routed_experts", None) if first else None
+    if first and (held is None or len(held) < first):
         raise GatewayResponseError(
             f"session {turn.result.session_id!r} sent routing rows from row {first}, but the sample holds "
             f"{0 if held is None else len(held)} rows"
         )
-    return torch.cat([torch.as_tensor(held, dtype=torch.int32)[:first], new])
+    return extend(held, first, rows.numpy())
+
+
+# On a tensor ``extend`` returned: the numpy buffer it views the start of. The tensor may grow in place only while it
+# is still the sample's field (a caller's own slice of it is another tensor object, without the attribute).
+_BUFFER_ATTRIBUTE = "_slime_client_buffer"
+
+
+def extend(held: Any, keep: int, new: np.ndarray) -> torch.Tensor:
+    """``held[:keep]`` followed by the rows ``new``, as an int32 tensor, amortized O(len(new)): when ``held`` is a
+    tensor this function returned and ``keep`` is all of it, ``new`` goes into the spare room of the buffer it views
+    (doubled when full), so a long multi-turn sample does not copy its whole routing history every turn. The tensor
+    views only its rows of the buffer (pickling it ships just those). numpy does the copies: a torch copy of this
+    size runs on its intra-op threads, whose spinning costs more CPU than the copy."""
+    total = keep + len(new)
+    buffer: np.ndarray | None = getattr(held, _BUFFER_ATTRIBUTE, None) if held is not None else None
+    if buffer is None or keep != len(held) or len(buffer) < total or buffer.shape[1:] != new.shape[1:]:
+        old = buffer
+        buffer = np.empty((max(total, 2 * keep), *new.shape[1:]), np.int32)
+        if keep:
+            buffer[:keep] = old[:keep] if old is not None and keep == len(held) else np.asarray(held)[:keep]
+    buffer[keep:total] = new
+    grown = torch.from_numpy(buffer[:total])
+    setattr(grown, _BUFFER_ATTRIBUTE, buffer)
+    return grown
 
 
 def _append_log_probs(sample: Any, log_probs: list[float], previous_length: int) -> None:
@@ -274,17 +296,18 @@ def _append_top_p_spans(sample: Any, turn: TurnTensors, previous_length: int) ->
     ids, offsets = turn.rollout_top_p_token_ids, turn.rollout_top_p_token_offsets
     if ids is None or offsets is None or not turn.num_tokens:
         return
-    new_ids, new_offsets = ids.to(torch.int32, copy=True), offsets.to(torch.int32, copy=True)
-    if getattr(sample, "rollout_top_p_token_offsets", None) is None:
+    held_ids = getattr(sample, "rollout_top_p_token_ids", None)
+    held_offsets = getattr(sample, "rollout_top_p_token_offsets", None)
+    if held_offsets is None or held_ids is None:
         if previous_length:
             raise ValueError("top-p replay data arrived for a sample whose earlier response tokens have none")
-        sample.rollout_top_p_token_ids, sample.rollout_top_p_token_offsets = new_ids, new_offsets
+        sample.rollout_top_p_token_ids = extend(None, 0, ids.numpy())
+        sample.rollout_top_p_token_offsets = extend(None, 0, offsets.numpy())
         return
     # slime's merge: the new offsets continue from the stored last offset.
-    old_ids = torch.as_tensor(sample.rollout_top_p_token_ids, dtype=torch.int32)
-    old_offsets = torch.as_tensor(sample.rollout_top_p_token_offsets, dtype=torch.int32)
-    sample.rollout_top_p_token_ids = torch.cat([old_ids, new_ids])
-    sample.rollout_top_p_token_offsets = torch.cat([old_offsets, new_offsets[1:] + old_offsets[-1]])
+    base = int(held_offsets[-1])
+    sample.rollout_top_p_token_ids = extend(held_ids, len(held_ids), ids.numpy())
+    sample.rollout_top_p_token_offsets = extend(held_offsets, len(held_offsets), offsets.numpy()[1:] + base)
 
 
 def _apply_terminal_info(sample: Any, turn: TurnResult) -> None:

@@ -79,3 +79,22 @@ def test_an_unaligned_entry_is_read_right() -> None:
     tensors = _load_tensors(body)
     assert tensors["byte"].tolist() == [7]
     assert tensors["ints"].tolist() == [[5], [-6]] and tensors["ints"].dtype == torch.int32
+
+
+def test_big_receive_buffers_are_reused_once_nothing_views_them() -> None:
+    from slime_client.sample import POOLED_BODY_BYTES, SampleBuffers
+
+    buffers = SampleBuffers(pool_bytes=3 * POOLED_BODY_BYTES)
+    small = buffers.take(1024)
+    assert small.base is None and len(small) == 1024  # ordinary bodies: malloc's own reuse, nothing kept
+    first = buffers.take(POOLED_BODY_BYTES)
+    tensor = torch.from_numpy(first[16:32])  # a sample's tensor viewing the body
+    first_base = id(first.base)  # not a reference: one would keep the buffer "viewed"
+    del first
+    second = buffers.take(POOLED_BODY_BYTES)
+    assert id(second.base) != first_base  # the first body is still viewed: not handed out again
+    del tensor, second
+    third = buffers.take(POOLED_BODY_BYTES)
+    assert id(third.base) == first_base and len(third) == POOLED_BODY_BYTES  # free again, warm: reused
+    fourth = buffers.take(2 * POOLED_BODY_BYTES)  # over the pool's bytes once kept: a buffer of its own
+    assert fourth.base is None and len(fourth) == 2 * POOLED_BODY_BYTES

@@ -8,7 +8,9 @@ from types import ModuleType
 from bench.core import RowFn
 from bench.rows import (
     decode_fold,
+    dropin_turns,
     event_loop,
+    group_fetch,
     materialize,
     memory,
     passthrough,
@@ -42,4 +44,6 @@ ROWS: tuple[Row, ...] = (
     _row(8, streaming),
     _row(9, stream_turn),
     _row(10, upstream_receive),
+    _row(11, dropin_turns),
+    _row(12, group_fetch),
 )
