@@ -1,4 +1,14 @@
-"""`python -m gateway.simulator --port P ...`: serve one simulated SGLang worker with uvicorn."""
+"""`python -m gateway.simulator --port P ...`: serve one simulated SGLang worker with uvicorn.
+
+By default the vocabulary is synthetic (--vocab-size ids, each one's text " w<id>"). With --tokenizer DIR (a Hugging
+Face tokenizer directory, e.g. one made by `python -m gateway.simulator.tiny_tokenizer DIR`) it is that tokenizer's:
+its size and eos replace --vocab-size and --eos-token-id, answers decode with it, random answers never contain
+special tokens but the final eos, and `text` prompts are encoded with it.
+
+Test controls under /sim/ (faults, request log, stats, weight updates, reset). Scripted answers:
+POST /sim/script {"rid_prefix": "agent-", "answers": [{"text": "..."}, {"token_ids": [1, 2], "eos": false}]} makes
+the next requests whose rid starts with "agent-" answer those tokens in order ("text" needs --tokenizer).
+"""
 
 from __future__ import annotations
 
@@ -48,20 +58,29 @@ class _Server(uvicorn.Server):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gateway.simulator", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m gateway.simulator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True, help="0 picks a free port (logged)")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=1000)
+    p.add_argument("--vocab-size", type=int, default=1000, help="synthetic vocabulary size (without --tokenizer)")
     p.add_argument("--weight-version", default="sim-v0")
     p.add_argument("--latency-ms", type=float, default=0.0, help="per request, before the first token")
     p.add_argument("--token-delay-ms", type=float, default=0.0, help="per generated token (pacing, abort)")
     p.add_argument("--stream-chunk-tokens", type=int, default=1, help="tokens per SSE chunk")
     p.add_argument("--default-max-new-tokens", type=int, default=16)
-    p.add_argument("--eos-token-id", type=int, default=None, help="default: vocab size - 1")
+    p.add_argument("--eos-token-id", type=int, default=None, help="default: vocab size - 1 (without --tokenizer)")
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        default=None,
+        help="a Hugging Face tokenizer directory (read locally, never downloaded): the vocabulary, eos and token "
+        "texts of the answers; enables text answers in POST /sim/script",
+    )
     p.add_argument(
         "--no-routed-experts",
         action="store_true",
@@ -84,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
         default_max_new_tokens=args.default_max_new_tokens,
         eos_token_id=args.eos_token_id,
         enable_routed_experts=not args.no_routed_experts,
+        tokenizer=args.tokenizer,
     )
 
 
@@ -91,12 +111,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         sim = config_from_args(args)
-    except ValueError as exc:
+        app = create_app(sim)  # loads the tokenizer, if any: a bad one is a configuration error too
+    except (ValueError, OSError) as exc:
         sys.exit(f"invalid simulator configuration: {exc}")
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logger.setLevel(logging.INFO)
     keep_freed_memory()  # its answers are tens of MB: built in mapped pages, not faulted in afresh each time
-    config = uvicorn.Config(create_app(sim), host=args.host, port=args.port, log_level="warning", access_log=False)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     server = _Server(config, sim)
     # uvicorn.Config configured uvicorn's loggers just now; the filter must go on after that.
     logging.getLogger("uvicorn.error").addFilter(_HideDeliberateCuts())

@@ -6,7 +6,19 @@ Request flow for `POST /generate`: log the request, take the next queued fault, 
 - streaming: an async generator paces and yields cumulative SSE chunks; `_EventStream` sends them, watches
   for the client going away, and can leave the response unfinished to simulate a dropped connection.
 
-All state lives in one `Simulator` object per app; nothing is module-global.
+Scripted answers: `POST /sim/script` with `{"rid_prefix": P, "answers": [A, ...]}` queues answers for the rids
+that start with P (appended to any already queued for P). Each A is `{"text": "..."}` (encoded with the simulator's
+tokenizer, no special tokens added; a 400 without `--tokenizer`) or `{"token_ids": [...]}` (ids in [0, vocab size),
+used as given), optionally with `"eos": false` (by default the eos id is appended, so the answer ends like a random
+one that stops: `{"type": "stop", "matched": eos}`). A prompt whose rid starts with a queued prefix (the longest one
+wins; "" matches every rid) takes that prefix's next answer, first in first out. Its tokens replace the random draw
+and everything else (log-probs, routing, top-p, weight versions, prefix cache, stream chunks, abort, faults,
+stop_token_ids) works on them as on random ones. Longer than max_new_tokens: cut to it, `{"type": "length", ...}`;
+without eos and shorter: `{"type": "stop", "matched": null}` (see `engine.scripted_tokens`). A request failed by an
+HTTP-error fault or a 400 takes no answer, so its retry gets it. `GET /sim/script` lists what is queued per prefix,
+`DELETE /sim/script` and `POST /sim/reset` clear it.
+
+All state lives in one `Simulator` object per app (scripts included); nothing is module-global.
 """
 
 from __future__ import annotations
@@ -32,9 +44,11 @@ from .engine import (
     Engine,
     Generation,
     GenItem,
+    ScriptBook,
     SimulatorConfig,
     nesting_depth,
     parse_generate,
+    parse_script,
     parse_weight_update,
 )
 from .faults import HTTP_ERRORS, Fault, FaultQueue, parse_fault
@@ -58,6 +72,7 @@ class Stats:
     generated_tokens: int = 0
     errors: int = 0  # 4xx/5xx answers from /generate
     faults_applied: int = 0
+    scripted: int = 0  # prompts answered from /sim/script
 
 
 class _Running:
@@ -204,6 +219,7 @@ class Simulator:
         self.config = config
         self.engine = Engine(config)
         self.faults = FaultQueue()
+        self.scripts = ScriptBook()
         self.requests: deque[dict[str, Any]] = deque(maxlen=REQUEST_LOG_SIZE)
         self.stats = Stats()
         self._running: dict[str, set[_Running]] = {}
@@ -225,6 +241,7 @@ class Simulator:
             Route("/sim/stats", self.sim_stats, methods=["GET"]),
             Route("/sim/reset", self.sim_reset, methods=["POST"]),
             Route("/sim/weight_version", self.sim_weight_version, methods=["POST"]),
+            Route("/sim/script", self.sim_script, methods=["GET", "POST", "DELETE"]),
         ]
 
     # ------------------------------------------------------------------------------------- /generate
@@ -246,7 +263,7 @@ class Simulator:
         if body is _INVALID:
             return self._failed(400, "request body is not valid JSON")
         try:
-            req = parse_generate(body, self.config, _new_rid)
+            req = parse_generate(body, self.config, self.engine.vocab, _new_rid)
         except BadRequest as exc:
             if isinstance(body, dict) and body.get("stream") is True:
                 # SGLang validates inside the stream: the error arrives in-band with HTTP 200.
@@ -380,10 +397,12 @@ class Simulator:
     # --------------------------------------------------------------------------------- shared steps
 
     def _start(self, item: GenItem, fault: Fault | None) -> Generation:
-        gen = self.engine.start(item)
+        script = self.scripts.take(item.rid)
+        gen = self.engine.start(item, script)
         if fault is not None:
             gen.distortion = fault.distortion
         self.stats.items += 1
+        self.stats.scripted += script is not None
         return gen
 
     async def _build(self, gen: Generation, m: int, finish: dict[str, Any], started: float, *, sse: bool) -> Event:
@@ -439,21 +458,21 @@ class Simulator:
         return Response(status_code=200)
 
     def _shape(self) -> dict[str, Any]:
-        cfg = self.config
+        cfg, vocab = self.config, self.engine.vocab
         return {
             "num_layers": cfg.num_layers,
             "num_hidden_layers": cfg.num_layers,
             "topk": cfg.topk,
             "num_experts_per_tok": cfg.topk,
             "num_experts": cfg.num_experts,
-            "vocab_size": cfg.vocab_size,
-            "eos_token_id": cfg.eos,
+            "vocab_size": vocab.size,
+            "eos_token_id": vocab.eos,
         }
 
     async def model_info(self, request: Request) -> Response:
         info = {
             "model_path": None,
-            "tokenizer_path": None,
+            "tokenizer_path": self.config.tokenizer,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.engine.weight_version,
@@ -468,7 +487,7 @@ class Simulator:
         cfg = self.config
         info = {
             "model_path": None,
-            "tokenizer_path": None,
+            "tokenizer_path": cfg.tokenizer,
             "version": "sim",
             "simulator": True,
             "enable_return_routed_experts": cfg.enable_routed_experts,
@@ -519,8 +538,9 @@ class Simulator:
         return _json(stats)
 
     async def sim_reset(self, request: Request) -> Response:
-        """Back to a fresh server (faults, request log, stats, prefix cache), without a restart."""
+        """Back to a fresh server (faults, scripts, request log, stats, prefix cache), without a restart."""
         self.faults.clear()
+        self.scripts.clear()
         self.requests.clear()
         self.stats = Stats()
         self.engine.cache.clear()
@@ -540,6 +560,19 @@ class Simulator:
         if update.after_tokens is not None:
             answer["after_tokens"] = update.after_tokens
         return _json(answer)
+
+    async def sim_script(self, request: Request) -> Response:
+        """Queue scripted answers for a rid prefix (POST), list them (GET) or drop them all (DELETE)."""
+        if request.method == "DELETE":
+            return _json({"cleared": self.scripts.clear()})
+        if request.method == "GET":
+            return _json({"pending": self.scripts.pending()})
+        try:
+            prefix, answers = parse_script(_loads(await request.body()), self.engine.vocab)
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        self.scripts.add(prefix, answers)
+        return _json({"queued": len(answers), "pending": self.scripts.pending()})
 
 
 def create_app(config: SimulatorConfig | None = None) -> Starlette:

@@ -1,4 +1,4 @@
-"""The simulated model: pure, deterministic, no I/O.
+"""The simulated model: pure, deterministic, no I/O (beyond reading a tokenizer once, at start).
 
 Everything a `/generate` answer contains is a function of the simulator seed, the request's input ids and its
 `sampling_seed`, so tests can predict and compare answers:
@@ -11,6 +11,16 @@ Everything a `/generate` answer contains is a function of the simulator seed, th
 - a weight update set to land mid-answer (`WeightUpdate.after_tokens`) switches at a generated position, not at a
   time, so the answer's `weight_versions` spans do not depend on timing either.
 
+The vocabulary (`Vocabulary`) is synthetic by default: `vocab_size` ids whose text is `" w{id}"`, the eos id's text
+empty. With `SimulatorConfig.tokenizer` (a Hugging Face tokenizer directory) it is that tokenizer's: `len(tokenizer)`
+ids, its eos, each id's text as the tokenizer decodes it alone, and every special token's text empty (SGLang
+detokenizes with `skip_special_tokens`); text prompts are encoded with it. A random answer never draws a special id
+(the eos only ends it), and its `text` is always the concatenation of its tokens' texts.
+
+A scripted answer (`ScriptedAnswer`, queued by `POST /sim/script`, see `parse_script` and `ScriptBook`) replaces the
+random draw of one request's tokens; everything else (log-probs, routing, top-p, weight versions, stop token ids) is
+computed from them exactly as for random tokens, so the answer is as deterministic as a random one.
+
 `Generation` turns one planned answer into SGLang-shaped JSON for any prefix of it (cumulative stream chunks,
 the final answer, an aborted partial answer). `Distortion` is how fault injection makes an answer wrong without
 the builders knowing about fault modes.
@@ -21,7 +31,7 @@ from __future__ import annotations
 import re
 import time
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +74,7 @@ class SimulatorConfig:
     default_max_new_tokens: int = 16
     eos_token_id: int | None = None  # None: vocab_size - 1
     enable_routed_experts: bool = True  # False: like SGLang without --enable-return-routed-experts
+    tokenizer: str | None = None  # a Hugging Face tokenizer directory: its vocabulary replaces vocab_size and eos
 
     def __post_init__(self) -> None:
         checks = [
@@ -78,6 +89,7 @@ class SimulatorConfig:
                 self.eos_token_id is None or 0 <= self.eos_token_id < self.vocab_size,
                 "eos_token_id must be in [0, vocab_size)",
             ),
+            (self.tokenizer is None or bool(self.tokenizer), "tokenizer must be a non-empty path"),
         ]
         for ok, message in checks:
             if not ok:
@@ -85,6 +97,7 @@ class SimulatorConfig:
 
     @property
     def eos(self) -> int:
+        """The eos of the synthetic vocabulary (a tokenizer brings its own: `Vocabulary.eos`)."""
         return self.vocab_size - 1 if self.eos_token_id is None else self.eos_token_id
 
 
@@ -159,6 +172,166 @@ def parse_weight_update(body: Any) -> WeightUpdate:
     if after is not None and (not _is_int(after) or not 0 <= after <= MAX_NEW_TOKENS):
         raise BadRequest(f"after_tokens must be an int in [0, {MAX_NEW_TOKENS}] (got {after!r})")
     return WeightUpdate(version, after)
+
+
+# ------------------------------------------------------------------------------------ vocabulary, scripts
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The ids the model speaks: each one's text, the eos id, and the special ids a random answer never draws."""
+
+    words: list[str] = field(repr=False)  # words[id]: the id's text in an answer ("" for special tokens)
+    eos: int
+    special_ids: tuple[int, ...]  # ascending, eos included
+    tokenizer: Any = field(default=None, repr=False, compare=False)  # a transformers tokenizer; None: synthetic
+
+    @property
+    def size(self) -> int:
+        return len(self.words)
+
+    def ordinary_ids(self, index: np.ndarray) -> np.ndarray:
+        """The index-th ids that are not special: each index steps past the special ids at or below its id.
+
+        The j-th special id (ascending) s_j is passed by every index >= s_j - j, so one search counts them all.
+        """
+        special = np.array(self.special_ids, dtype=np.int64)
+        passed = special - np.arange(len(special), dtype=np.int64)
+        return index + np.searchsorted(passed, index, side="right")
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """A `text` prompt's ids: the tokenizer's (as SGLang encodes it), else one synthetic id per word."""
+        if self.tokenizer is None:
+            return tokenize(text, self.size)
+        return np.array(self.tokenizer.encode(text), dtype=np.int64)
+
+    def encode_answer(self, text: str) -> list[int]:
+        """A scripted answer's ids: exactly the text, no special tokens around it."""
+        if self.tokenizer is None:
+            raise BadRequest('"text" answers need a simulator started with a tokenizer; give "token_ids"')
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def synthetic_vocabulary(vocab_size: int, eos: int) -> Vocabulary:
+    words = [f" w{i}" for i in range(vocab_size)]
+    words[eos] = ""  # skip_special_tokens: the eos token has no text
+    return Vocabulary(words, eos, (eos,))
+
+
+def tokenizer_vocabulary(path: str) -> Vocabulary:
+    """The vocabulary of the Hugging Face tokenizer in `path` (read from disk only, never downloaded)."""
+    from transformers import AutoTokenizer  # a slow import: only a simulator with a tokenizer pays for it
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load the tokenizer {path!r}: {exc}") from exc
+    size, eos = len(tokenizer), tokenizer.eos_token_id
+    if not 2 <= size <= MAX_TOKEN_ID:
+        raise ValueError(f"tokenizer {path}: {size} tokens, must be in [2, 2**31-1]")
+    if not _is_int(eos) or not 0 <= eos < size:
+        raise ValueError(f"tokenizer {path} has no eos token id in [0, {size})")
+    special = tuple(sorted({i for i in tokenizer.all_special_ids if 0 <= i < size} | {eos}))
+    if len(special) == size:
+        raise ValueError(f"tokenizer {path} has only special tokens")
+    # Each id decoded on its own, without the space clean-up that would make the texts not concatenate.
+    words = tokenizer.batch_decode([[i] for i in range(size)], clean_up_tokenization_spaces=False)
+    for i in special:
+        words[i] = ""  # SGLang detokenizes with skip_special_tokens
+    return Vocabulary(words, eos, special, tokenizer)
+
+
+def load_vocabulary(config: SimulatorConfig) -> Vocabulary:
+    if config.tokenizer is None:
+        return synthetic_vocabulary(config.vocab_size, config.eos)
+    return tokenizer_vocabulary(config.tokenizer)
+
+
+@dataclass(frozen=True, eq=False)
+class ScriptedAnswer:
+    """One answer queued by `POST /sim/script`: the tokens a request generates instead of random ones."""
+
+    output_ids: np.ndarray  # int64, the eos id already appended when `eos`
+    eos: bool
+    text: str | None = None  # as given, when given as text
+
+    def to_dict(self) -> dict[str, Any]:
+        ids = self.output_ids[:-1] if self.eos else self.output_ids
+        out: dict[str, Any] = {"token_ids": ids.tolist(), "eos": self.eos}
+        if self.text is not None:
+            out["text"] = self.text
+        return out
+
+
+_SCRIPT_SHAPE = (
+    'body must be {"rid_prefix": "<str>", "answers": [{"text": "<str>"} or {"token_ids": [<int>, ...]}, '
+    'optionally with "eos": <bool>]}'
+)
+_ANSWER_KEYS = frozenset({"text", "token_ids", "eos"})
+
+
+def parse_script(body: Any, vocab: Vocabulary) -> tuple[str, list[ScriptedAnswer]]:
+    """Validate a `POST /sim/script` body; raises BadRequest. Returns the rid prefix and its answers, in order."""
+    if not isinstance(body, dict) or set(body) != {"rid_prefix", "answers"}:
+        raise BadRequest(_SCRIPT_SHAPE)
+    prefix, answers = body["rid_prefix"], body["answers"]
+    if not isinstance(prefix, str) or not isinstance(answers, list) or not answers:
+        raise BadRequest(_SCRIPT_SHAPE)
+    return prefix, [_scripted_answer(answer, i, vocab) for i, answer in enumerate(answers)]
+
+
+def _scripted_answer(answer: Any, index: int, vocab: Vocabulary) -> ScriptedAnswer:
+    where = f"answers[{index}]"
+    if not isinstance(answer, dict) or not set(answer) <= _ANSWER_KEYS or ("text" in answer) == ("token_ids" in answer):
+        raise BadRequest(f'{where} must have exactly one of "text" or "token_ids", and optionally "eos"')
+    eos = answer.get("eos", True)
+    if not isinstance(eos, bool):
+        raise BadRequest(f"{where}.eos must be a boolean (got {eos!r})")
+    text = answer.get("text")
+    if "text" in answer:
+        if not isinstance(text, str):
+            raise BadRequest(f"{where}.text must be a string")
+        ids = vocab.encode_answer(text)
+    else:
+        ids = answer["token_ids"]
+        if not isinstance(ids, list) or not all(_is_int(i) and 0 <= i < vocab.size for i in ids):
+            raise BadRequest(f"{where}.token_ids must be a list of ints in [0, {vocab.size})")
+    if len(ids) + eos > MAX_NEW_TOKENS:
+        raise BadRequest(f"{where} is longer than {MAX_NEW_TOKENS} tokens")
+    return ScriptedAnswer(np.array([*ids, vocab.eos] if eos else ids, dtype=np.int64), eos, text)
+
+
+class ScriptBook:
+    """Scripted answers queued per rid prefix. A rid takes the next answer of the longest prefix it starts with
+    that still has answers queued; a prefix whose answers are all taken matches nothing any more."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[ScriptedAnswer]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(queue) for queue in self._queues.values())
+
+    def add(self, prefix: str, answers: Sequence[ScriptedAnswer]) -> None:
+        self._queues.setdefault(prefix, deque()).extend(answers)
+
+    def take(self, rid: str) -> ScriptedAnswer | None:
+        matching = [prefix for prefix in self._queues if rid.startswith(prefix)]
+        if not matching:
+            return None
+        prefix = max(matching, key=len)
+        queue = self._queues[prefix]
+        answer = queue.popleft()
+        if not queue:
+            del self._queues[prefix]
+        return answer
+
+    def pending(self) -> dict[str, list[dict[str, Any]]]:
+        return {prefix: [answer.to_dict() for answer in queue] for prefix, queue in self._queues.items()}
+
+    def clear(self) -> int:
+        cleared = len(self)
+        self._queues.clear()
+        return cleared
 
 
 # --------------------------------------------------------------------------------------------- hashing
@@ -273,12 +446,11 @@ class Engine:
 
     def __init__(self, config: SimulatorConfig) -> None:
         self.config = config
+        self.vocab = load_vocabulary(config)
         self.weight_version = config.weight_version  # mutable: /sim/weight_version simulates weight updates
         self.pending_update: WeightUpdate | None = None  # one set to land inside the next answer
         self.cache = PrefixCache()
-        words = [f" w{i}" for i in range(config.vocab_size)]
-        words[config.eos] = ""  # skip_special_tokens: the eos token has no text
-        self._words = words
+        words = self._words = self.vocab.words
         self._word_lens = np.fromiter((len(w) for w in words), dtype=np.int64, count=len(words))
         seed = config.seed % _U64
         rng = np.random.default_rng([seed, 7])
@@ -292,12 +464,13 @@ class Engine:
 
     # -- planning
 
-    def start(self, item: GenItem) -> Generation:
+    def start(self, item: GenItem, script: ScriptedAnswer | None = None) -> Generation:
+        """The request in flight: random tokens, or `script`'s tokens when one is given."""
         version, switch = self.weight_version, self.pending_update
         if switch is not None:  # this answer carries the update: the ones after it run on the new weights
             self.pending_update = None
             self.weight_version = switch.version
-        return Generation(self, item, self.plan(item), self.cache.lookup(item.input_ids), version, switch)
+        return Generation(self, item, self.plan(item, script), self.cache.lookup(item.input_ids), version, switch)
 
     def update_weights(self, update: WeightUpdate) -> None:
         """Apply `/sim/weight_version`: now, or inside the next answer (see `WeightUpdate`)."""
@@ -307,29 +480,31 @@ class Engine:
         else:
             self.pending_update = update
 
-    def plan(self, item: GenItem) -> Plan:
-        cfg = self.config
-        entropy = (cfg.seed % _U64, ids_crc32(item.input_ids), item.sampling_seed % _U64)
+    def plan(self, item: GenItem, script: ScriptedAnswer | None = None) -> Plan:
+        entropy = (self.config.seed % _U64, ids_crc32(item.input_ids), item.sampling_seed % _U64)
         rng = np.random.default_rng(list(entropy))
-        cap = item.max_new_tokens
-        drawn = int(rng.integers(1, cap + 1)) if cap > 0 else 0
-        n = cap if item.ignore_eos else drawn
-        # Draw from the vocabulary minus eos, so eos appears only where we decide the answer stops.
-        tokens = rng.integers(0, cfg.vocab_size - 1, size=n, dtype=np.int64)
-        tokens += tokens >= cfg.eos
+        tokens, finish = self._draw(item, rng) if script is None else scripted_tokens(item, script)
         scale = max(item.temperature, 0.05)
-        logprobs = -(rng.exponential(scale, size=n) + 1e-4)
-        finish: dict[str, Any] = {"type": "length", "length": cap}
-        if n < cap:
-            tokens[-1] = cfg.eos
-            finish = {"type": "stop", "matched": cfg.eos}
-        if item.stop_token_ids and n:
+        logprobs = -(rng.exponential(scale, size=len(tokens)) + 1e-4)
+        if item.stop_token_ids and len(tokens):
             hits = np.flatnonzero(np.isin(tokens, np.array(item.stop_token_ids, dtype=np.int64)))
             if hits.size:
                 n = int(hits[0]) + 1
                 tokens, logprobs = tokens[:n], logprobs[:n]
                 finish = {"type": "stop", "matched": int(tokens[-1])}
         return Plan(tokens, logprobs, finish, entropy)
+
+    def _draw(self, item: GenItem, rng: np.random.Generator) -> tuple[np.ndarray, dict[str, Any]]:
+        """Random tokens: a random length up to max_new_tokens, ending with eos when shorter than that."""
+        vocab, cap = self.vocab, item.max_new_tokens
+        drawn = int(rng.integers(1, cap + 1)) if cap > 0 else 0
+        n = cap if item.ignore_eos else drawn
+        # Draw among the ordinary ids only, so eos appears only where we decide the answer stops.
+        tokens = vocab.ordinary_ids(rng.integers(0, vocab.size - len(vocab.special_ids), size=n, dtype=np.int64))
+        if n < cap:
+            tokens[-1] = vocab.eos
+            return tokens, {"type": "stop", "matched": vocab.eos}
+        return tokens, {"type": "length", "length": cap}
 
     # -- per-position data
 
@@ -351,12 +526,12 @@ class Engine:
         n = plan.n
         rng = np.random.default_rng([*plan.entropy, 1])
         # Geometric sizes: median ~2 and a long tail, like real nucleus sets (docs/protocol.md section 2.4).
-        sizes = np.minimum(rng.geometric(0.4, size=n), min(20, self.config.vocab_size))
+        sizes = np.minimum(rng.geometric(0.4, size=n), min(20, self.vocab.size))
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])
         owner = np.repeat(np.arange(n), sizes)
         within = np.arange(offsets[-1], dtype=np.int64) - offsets[owner]
-        ids = (plan.output_ids[owner] + within) % self.config.vocab_size
+        ids = (plan.output_ids[owner] + within) % self.vocab.size
         return ids.astype(np.int32), offsets.astype(np.int32)
 
     def text_ends(self, ids: np.ndarray) -> np.ndarray:
@@ -366,6 +541,20 @@ class Engine:
     def detokenize(self, ids: Sequence[int]) -> str:
         words = self._words
         return "".join([words[i] for i in ids])
+
+
+def scripted_tokens(item: GenItem, script: ScriptedAnswer) -> tuple[np.ndarray, dict[str, Any]]:
+    """A scripted answer's tokens and finish, as SGLang would end them: its eos within max_new_tokens stops it
+    (SGLang checks stop tokens before the length); otherwise reaching max_new_tokens is a "length" finish (the
+    answer cut to it); an answer without eos that ends earlier stops on nothing: `"matched": None`, which keeps
+    SGLang's key set and its whole text (only a matched stop token's text is trimmed). ignore_eos does not apply:
+    the script is the answer."""
+    ids, cap = script.output_ids, item.max_new_tokens
+    if script.eos and len(ids) <= cap:
+        return ids.copy(), {"type": "stop", "matched": int(ids[-1])}
+    if len(ids) >= cap:
+        return ids[:cap].copy(), {"type": "length", "length": cap}
+    return ids.copy(), {"type": "stop", "matched": None}
 
 
 @dataclass
@@ -540,14 +729,16 @@ class GenerateRequest:
 _INPUT_KEYS = ("input_ids", "text", "input_embeds")
 
 
-def parse_generate(body: Any, config: SimulatorConfig, new_rid: Callable[[], str]) -> GenerateRequest:
+def parse_generate(
+    body: Any, config: SimulatorConfig, vocab: Vocabulary, new_rid: Callable[[], str]
+) -> GenerateRequest:
     """Validate a /generate body the way SGLang does; raises BadRequest. `new_rid()` makes a default rid."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     given = [k for k in _INPUT_KEYS if body.get(k) is not None]
     if len(given) != 1:
         raise BadRequest(f"exactly one of input_ids, text or input_embeds must be given (got {given or 'none'})")
-    prompts, batch = _prompts(given[0], body[given[0]], config)
+    prompts, batch = _prompts(given[0], body[given[0]], vocab)
     count = len(prompts)
     params = _per_item(body.get("sampling_params"), count, batch, "sampling_params")
     rids = _rids(body.get("rid"), count, batch, new_rid)
@@ -575,7 +766,7 @@ def _ids(value: Any) -> np.ndarray:
     return np.array(value, dtype=np.int64)
 
 
-def _prompts(key: str, value: Any, config: SimulatorConfig) -> tuple[list[np.ndarray], bool]:
+def _prompts(key: str, value: Any, vocab: Vocabulary) -> tuple[list[np.ndarray], bool]:
     if key == "input_ids":
         batch = isinstance(value, list) and bool(value) and isinstance(value[0], list)
         prompts = [_ids(v) for v in value] if batch else [_ids(value)]
@@ -584,11 +775,11 @@ def _prompts(key: str, value: Any, config: SimulatorConfig) -> tuple[list[np.nda
         texts = value if batch else [value]
         if not all(isinstance(t, str) for t in texts):
             raise BadRequest("text must be a string or a list of strings")
-        prompts = [tokenize(t, config.vocab_size) for t in texts]
+        prompts = [vocab.encode_prompt(t) for t in texts]
     else:
         batch = nesting_depth(value) == 3
         try:
-            prompts = [embeds_to_ids(v, config.vocab_size) for v in (value if batch else [value])]
+            prompts = [embeds_to_ids(v, vocab.size) for v in (value if batch else [value])]
         except (TypeError, ValueError) as exc:
             raise BadRequest(f"input_embeds must be a list of float vectors: {exc}") from exc
     if batch and not prompts:
