@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,chat]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -79,7 +79,7 @@ DOCKER_BUILD_FLAGS ?=
 image: install
 	@echo "==> image: building wheels into docker/.wheels with $$($(PY) -V)"
 	@mkdir -p docker/.wheels && rm -f docker/.wheels/slime_gateway-*.whl
-	$(PY) -m pip wheel --quiet --wheel-dir docker/.wheels .
+	$(PY) -m pip wheel --quiet --wheel-dir docker/.wheels '.[chat]'
 	@echo "==> image: docker build $(IMAGE) from base $(BASE_IMAGE)"
 	DOCKER_BUILDKIT=0 docker build --network host --build-arg BASE_IMAGE=$(BASE_IMAGE) $(DOCKER_BUILD_FLAGS) \
 	  -f docker/Dockerfile -t $(IMAGE) docker

@@ -29,6 +29,10 @@ def parse_args(argv: list[str] | None = None) -> dict[str, object]:
         help="key(s) callers must send as 'Authorization: Bearer KEY', comma-separated (env GATEWAY_API_KEY, "
         "preferred: arguments are visible to every user of the machine in `ps`)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        help="the served model's tokenizer directory, for the OpenAI/Anthropic chat routes (env GATEWAY_TOKENIZER)",
+    )
     args = parser.parse_args(argv)
     return {key: value for key, value in vars(args).items() if value is not None}
 

@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException
 
 from gateway import __version__
 from gateway.auth import HEALTH_PATH, METRICS_PATH, AuthMiddleware, KeyRing
+from gateway.chat.service import ChatService
+from gateway.chat.template import ChatTemplate
 from gateway.config import Settings, stored_bytes_limit
 from gateway.connections import ConnectionGuard
 from gateway.errors import GatewayError, InvalidRequest
@@ -22,7 +24,7 @@ from gateway.http_errors import InternalErrorMiddleware, error_response, from_ht
 from gateway.limits import RequestBodyLimitMiddleware
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.responses import json_response
-from gateway.routes import health, passthrough, sessions
+from gateway.routes import chat, health, passthrough, sessions
 from gateway.routes import metrics as metrics_route
 from gateway.state import GatewayState
 from gateway.store import SessionStore
@@ -60,6 +62,8 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
             cpu_pool=ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="gateway-decode"),
             metrics=metrics,
         )
+        if settings.tokenizer is not None:
+            state.chat = await asyncio.to_thread(load_chat, settings)
         metrics.track_store(
             sessions=lambda: len(state.store),
             running=lambda: state.store.active,
@@ -101,7 +105,28 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
     app.include_router(metrics_route.router)
     app.include_router(passthrough.router)
     app.include_router(sessions.router)
+    app.include_router(chat.router)
     return app
+
+
+# transformers' default model_max_length when a tokenizer states none (1e30): not a context length.
+_NO_STATED_CONTEXT = 10**12
+
+
+def load_chat(settings: Settings) -> ChatService:
+    """The chat routes' tokenizer and template (a bad directory stops the start: the operator asked for chat)."""
+    assert settings.tokenizer is not None
+    template = ChatTemplate.load(settings.tokenizer)
+    context = settings.chat_context_tokens
+    stated = getattr(template.tokenizer, "model_max_length", None)
+    if context is None and isinstance(stated, int) and stated < _NO_STATED_CONTEXT:
+        context = stated
+    return ChatService(
+        template,
+        tool_parser=settings.chat_tool_parser,
+        drift_policy=settings.chat_drift_policy,
+        context_tokens=context,
+    )
 
 
 async def _expire_idle_sessions(state: GatewayState) -> None:

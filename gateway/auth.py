@@ -29,6 +29,7 @@ METRICS_PATH = "/metrics"
 # Open paths are open to reads only: any other method on them needs the key like every route.
 _OPEN_METHODS = frozenset({"GET", "HEAD"})
 _AUTHORIZATION = b"authorization"
+_X_API_KEY = b"x-api-key"
 _BEARER = b"bearer"  # compared lower-cased: an auth scheme is case-insensitive (RFC 9110 section 11.1)
 _SPACES = b" \t"
 
@@ -61,11 +62,12 @@ class KeyRing:
 def presented_key(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
     """The key of ``Authorization: Bearer KEY`` (ASGI header names are lower-case), or ``Unauthorized``.
 
-    Exactly one Authorization header, scheme ``Bearer`` in any case, one token without inner whitespace.
+    Exactly one Authorization header, scheme ``Bearer`` in any case, one token without inner whitespace. Without
+    one, an ``x-api-key: KEY`` header (what Anthropic's clients send), exactly one.
     """
     values = [value for name, value in headers if name == _AUTHORIZATION]
     if not values:
-        raise Unauthorized("missing API key: send the header 'Authorization: Bearer <key>'", reason="missing")
+        return _x_api_key(headers)
     if len(values) > 1:
         raise Unauthorized("more than one Authorization header", reason="malformed")
     scheme, _, token = values[0].strip(_SPACES).partition(b" ")
@@ -73,6 +75,15 @@ def presented_key(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
     if scheme.lower() != _BEARER or not token or b" " in token or b"\t" in token:
         raise Unauthorized("malformed Authorization header: expected 'Bearer <key>'", reason="malformed")
     return token
+
+
+def _x_api_key(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
+    values = [value.strip(_SPACES) for name, value in headers if name == _X_API_KEY]
+    if not values:
+        raise Unauthorized("missing API key: send the header 'Authorization: Bearer <key>'", reason="missing")
+    if len(values) > 1 or not values[0] or b" " in values[0] or b"\t" in values[0]:
+        raise Unauthorized("malformed x-api-key header", reason="malformed")
+    return values[0]
 
 
 class AuthMiddleware:

@@ -96,6 +96,15 @@ class GrowableArray:
             self._data, self._len = fresh, keep
         self.append(values)
 
+    def truncate(self, keep: int) -> None:
+        """Drop the items past ``keep``, keeping the capacity. The kept items move to a fresh array, so views handed
+        out earlier stay valid snapshots (as in ``replace_tail``)."""
+        if not 0 <= keep <= self._len:
+            raise ValueError(f"cannot keep {keep} of {self._len} items")
+        fresh = np.empty_like(self._data)
+        fresh[:keep] = self._data[:keep]
+        self._data, self._len = fresh, keep
+
     def widen(self, dtype: npt.DTypeLike) -> None:
         """Switch to a wider dtype (e.g. uint8 -> uint16 routing ids) keeping the values."""
         self._data = self._data.astype(dtype)

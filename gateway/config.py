@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AnyHttpUrl, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -97,6 +98,25 @@ class Settings(BaseSettings):
     )
     upstream_api_key: SecretStr | None = Field(
         None, description="SGLang's / the router's own --api-key, sent on every upstream request"
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="the served model's Hugging Face tokenizer directory (with its chat template): enables the "
+        "OpenAI and Anthropic chat routes; read locally, never downloaded",
+    )
+    chat_tool_parser: Literal["hermes"] = Field(
+        "hermes", description="how tool calls are read from completions (hermes: <tool_call>{json}</tool_call>)"
+    )
+    chat_drift_policy: Literal["fork", "reject"] = Field(
+        "fork",
+        description="a chat history that disagrees with its session's record: fork a new branch from the common "
+        "prefix (the old trajectory kept as a finished branch), or reject it with 409 history_mismatch",
+    )
+    chat_context_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the model's context length, for context_length_exceeded; default: the tokenizer's "
+        "model_max_length when it states one",
     )
 
     @field_validator("upstream_url")

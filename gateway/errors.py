@@ -5,12 +5,16 @@ base64, numpy) are translated into it at one boundary each, with ``raise ... fro
 
     GatewayError                        500 internal_error
     ├── InvalidRequest                  422 invalid_request      bad JSON / fields from the caller
+    │   ├── ChatTemplateError           400 chat_template_error  the chat template refuses these messages
+    │   └── ContextLengthExceeded       400 context_length_exceeded  prompt + max tokens past the context
+    ├── ChatNotConfigured               501 chat_not_configured  a chat route on a gateway started without a tokenizer
     ├── Unauthorized                    401 unauthorized         no / malformed / wrong API key
     ├── SessionNotFound                 404 session_not_found
     ├── SessionConflict                 409 session_conflict
     │   ├── SessionExists               409 session_exists       create with an id already taken
     │   ├── SessionBusy                 409 session_busy         a turn is already running on it
-    │   └── SessionMismatch             409 session_mismatch     the session is not what the caller's ``sync`` says
+    │   ├── SessionMismatch             409 session_mismatch     the session is not what the caller's ``sync`` says
+    │   └── HistoryMismatch             409 history_mismatch     a chat history that disagrees with the session's
     ├── NotFound                        404 not_found            no route has this path
     ├── MethodNotAllowed                405 method_not_allowed   the path exists, not with this method (Allow header)
     ├── LimitExceeded                   413 limit_exceeded       a GATEWAY_* limit refused the request
@@ -60,6 +64,21 @@ class InvalidRequest(GatewayError):
     error_type = "invalid_request"
 
 
+class ChatTemplateError(InvalidRequest):
+    status_code = 400
+    error_type = "chat_template_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    status_code = 400
+    error_type = "context_length_exceeded"
+
+
+class ChatNotConfigured(GatewayError):
+    status_code = 501
+    error_type = "chat_not_configured"
+
+
 class Unauthorized(GatewayError):
     """The API key is missing, malformed or wrong (``details["reason"]``: missing / malformed / invalid_key).
     The message never repeats what the caller sent."""
@@ -98,6 +117,13 @@ class SessionMismatch(SessionConflict):
     what the session holds, so the caller can catch up without asking."""
 
     error_type = "session_mismatch"
+
+
+class HistoryMismatch(SessionConflict):
+    """A chat request's history is not an extension of the session's (edited, dropped or reordered messages) and
+    the drift policy is ``reject``; ``details`` say from which message on they differ."""
+
+    error_type = "history_mismatch"
 
 
 class NotFound(GatewayError):

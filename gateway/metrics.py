@@ -65,6 +65,18 @@ class GatewayMetrics:
             "gateway_turns", "Session turns folded, by kind and outcome", ["kind", "outcome"], registry=r
         )
         self.folded_tokens = Counter("gateway_folded_tokens", "Tokens folded into sessions", ["trainable"], registry=r)
+        self.chat_turns = Counter(
+            "gateway_chat_turns",
+            "Chat completions (OpenAI / Anthropic routes), by mode and finish",
+            ["mode", "finish"],
+            registry=r,
+        )
+        self.chat_drift = Counter(
+            "gateway_chat_drift",
+            "Chat requests whose history disagreed with their session's record, by the policy applied",
+            ["policy"],
+            registry=r,
+        )
 
     def track_store(self, sessions: Callable[[], int], running: Callable[[], int], stored: Callable[[], int]) -> None:
         self.registry.register(_StoreCollector(sessions, running, stored))

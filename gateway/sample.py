@@ -73,6 +73,19 @@ class ModelTurnPlan:
     versions: VersionPlan
 
 
+@dataclass(frozen=True, slots=True)
+class SampleMark:
+    """``SessionSample.mark``: the lengths and scalars that ``rollback`` restores."""
+
+    tokens: int
+    prompt_length: int
+    turns: int
+    top_p_offsets: int | None
+    routing_rows: int
+    text_pieces: tuple[str, ...]
+    status: Status
+
+
 @dataclass(slots=True)
 class TurnRecord:
     """One entry of the session's turn log (what the curl view shows)."""
@@ -205,6 +218,62 @@ class SessionSample:
         self.status = plan.status_after
         self.turns.append(plan.record)
         return plan.record
+
+    def append_prompt_tokens(self, token_ids: np.ndarray) -> None:
+        """More prompt: only while the sample has no response (a chat session's prompt comes with its first request)."""
+        if self.response_length:
+            raise InvalidRequest("a sample's prompt can only grow before its first response token")
+        self.tokens.append(token_ids)
+        self.prompt_length += len(token_ids)
+
+    def mark(self) -> SampleMark:
+        """Where the sample stands now, for ``rollback`` (a chat turn rolls back the tokens it appended before its
+        model turn when that turn fails)."""
+        return SampleMark(
+            tokens=len(self.tokens),
+            prompt_length=self.prompt_length,
+            turns=len(self.turns),
+            top_p_offsets=None if self.top_p_offsets is None else len(self.top_p_offsets),
+            routing_rows=self.routing_rows,
+            text_pieces=tuple(self._text_pieces),
+            status=self.status,
+        )
+
+    def rollback(self, mark: SampleMark) -> None:
+        """Undo the prompt or tool tokens appended since ``mark``. Only those: a model turn since then (routing
+        rows, top-p ids, versions) is not undone here, and is refused. Buffers are cut by copying what stays
+        (``GrowableArray.truncate``), so views handed out meanwhile stay valid snapshots."""
+        if self.routing_rows != mark.routing_rows or any(t.kind == "model" for t in self.turns[mark.turns :]):
+            raise AssertionError("rollback only undoes prompt and tool tokens")
+        response_tokens = mark.tokens - mark.prompt_length
+        for buffer, keep in (
+            (self.tokens, mark.tokens),
+            (self.loss_mask, response_tokens),
+            (self.log_probs, response_tokens),
+            (self.weight_version_ids, response_tokens),
+            (self.top_p_offsets, mark.top_p_offsets),
+        ):
+            if buffer is not None and keep is not None and len(buffer) != keep:
+                buffer.truncate(keep)
+        self.prompt_length = mark.prompt_length
+        del self.turns[mark.turns :]
+        self._text_pieces[:] = mark.text_pieces
+        self.status = mark.status
+
+    def branch(self, prefix_tokens: int) -> SessionSample:
+        """A new trajectory that continues from this one's first ``prefix_tokens`` tokens (a chat history that was
+        edited after them). The prefix is its prompt: the responses in it are trained once, in this sample. It keeps
+        the prefix's routing rows (replay covers prompt positions too) and this sample's replay settings."""
+        if not 0 <= prefix_tokens <= len(self.tokens):
+            raise ValueError(f"cannot branch at token {prefix_tokens} of {len(self.tokens)}")
+        branch = SessionSample.from_prompt(self.tokens.view()[:prefix_tokens], self.moe)
+        if self.routed_experts is not None:
+            rows = min(self.routing_rows, max(0, prefix_tokens - 1))
+            branch.routed_experts = GrowableArray.from_array(self.routed_experts.view()[:rows])
+        if self.top_p_active:
+            branch.top_p_ids = GrowableArray(np.int32)
+            branch.top_p_offsets = GrowableArray.from_array(np.zeros(1, np.int32))
+        return branch
 
     def append_tool_tokens(self, token_ids: np.ndarray, text: str | None = None) -> TurnRecord:
         """Tool/environment tokens: not trainable (loss mask 0, log-prob 0.0, empty top-p spans, no weight version)."""

@@ -166,7 +166,8 @@ class ToolAppend(_Body):
 
 
 class SessionCreate(_Body):
-    prompt_ids: TokenIds  # an int32 array, not a Python int per token
+    # an int32 array, not a Python int per token. None: a chat session, whose prompt its first chat request renders
+    prompt_ids: TokenIds | None = None
     num_layers: Annotated[StrictInt, Field(gt=0, le=MAX_NUM_LAYERS)] | None = None
     moe_router_topk: Annotated[StrictInt, Field(gt=0, le=MAX_MOE_TOPK)] | None = None
     session_id: SessionId | None = None
@@ -178,6 +179,8 @@ class SessionCreate(_Body):
     def _moe_shape_complete(self) -> SessionCreate:
         if (self.num_layers is None) != (self.moe_router_topk is None):
             raise ValueError("give both num_layers and moe_router_topk (the MoE routing shape) or neither")
+        if self.generate is not None and self.prompt_ids is None:
+            raise ValueError("generate needs prompt_ids (a chat session gets its prompt from its first chat request)")
         return self
 
 

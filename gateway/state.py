@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 from fastapi import Depends, Request
 
@@ -16,6 +16,9 @@ from gateway.config import Settings
 from gateway.metrics import GatewayMetrics
 from gateway.store import SessionStore
 from gateway.upstream import Upstream
+
+if TYPE_CHECKING:
+    from gateway.chat.service import ChatService
 
 T = TypeVar("T")
 
@@ -27,6 +30,7 @@ class GatewayState:
     store: SessionStore
     cpu_pool: ThreadPoolExecutor
     metrics: GatewayMetrics
+    chat: ChatService | None = None  # the chat routes, when a tokenizer is configured
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = field(default_factory=time.time)
 

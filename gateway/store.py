@@ -46,7 +46,20 @@ class Session:
     updated_at: float = field(default_factory=time.time)
     busy: bool = False
     running: RunningTurn | None = None
-    counted_bytes: int = 0  # sample.stored_bytes when the store last counted it (see SessionStore.growing)
+    counted_bytes: int = 0  # stored_bytes when the store last counted it (see SessionStore.growing)
+    # Earlier trajectories of this session, finished: a chat history that was edited forks a new branch
+    # (``sample``) and keeps the old one here (``gateway.chat``). Each is its own training sample.
+    branches: list[SessionSample] = field(default_factory=list)
+    chat: Any = None  # a chat session's message record (``gateway.chat.conversation.ChatRecord``), else None
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.sample.stored_bytes + sum(branch.stored_bytes for branch in self.branches)
+
+    @property
+    def samples(self) -> list[SessionSample]:
+        """Every trajectory, as the sample fetches number them: the finished branches in order, the live one last."""
+        return [*self.branches, self.sample]
 
     def touch(self) -> None:
         self.updated_at = time.time()
@@ -191,7 +204,7 @@ class SessionStore:
         try:
             yield
         finally:
-            self._recount(session)
+            self.recount(session)
 
     @property
     def stored_bytes(self) -> int:
@@ -226,9 +239,10 @@ class SessionStore:
                 stored_bytes=self._stored_bytes,
             )
 
-    def _recount(self, session: Session) -> None:
-        """O(1): a sample's byte count is the sum over its few buffers."""
-        now = session.sample.stored_bytes
+    def recount(self, session: Session) -> None:
+        """Bring the byte count up to date after ``session`` changed. O(1) per trajectory: a sample's byte count is
+        the sum over its few buffers."""
+        now = session.stored_bytes
         self._stored_bytes += now - session.counted_bytes
         session.counted_bytes = now
 

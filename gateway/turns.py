@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,11 @@ def plan_turn(session: Session, request: TurnCreate, *, incremental_routing: boo
     if request.sync is not None:
         session.check_sync(request.sync.total_tokens, request.sync.last_tokens)
     sample = session.sample
+    if not len(sample.tokens):
+        raise InvalidRequest(
+            f"session {session.session_id!r} has no prompt yet: a session created without prompt_ids is a chat "
+            "session, whose first chat request renders its prompt"
+        )
     want_routing = sample.moe is not None if request.return_routed_experts is None else request.return_routed_experts
     if want_routing and sample.moe is None:
         raise InvalidRequest(
@@ -263,21 +268,37 @@ def aborted_turn(rid: str, reason: str, **received: Any) -> DecodedTurn:
     return DecodedTurn(finish_reason={"type": "abort", "message": reason}, rid=rid, **received)
 
 
-async def open_stream_turn(state: GatewayState, session: Session, request: TurnCreate) -> StreamTurn:
+# Called once a streamed turn has ended, with the session still held: the folded turn (whole or partial), or None
+# when nothing was folded (the session is as before the turn).
+TurnEndHook = Callable[["FoldedTurn | None"], None]
+
+
+async def open_stream_turn(
+    state: GatewayState, session: Session, request: TurnCreate, *, on_end: TurnEndHook | None = None
+) -> StreamTurn:
     """Plan and open the upstream stream; errors before the first byte are plain HTTP errors for the caller."""
     plan = plan_turn(session, request, incremental_routing=state.settings.incremental_routing)
     response = await state.upstream.open_generate_stream(
         upstream_payload(session, plan, stream=True), routing_key=session.session_id
     )
-    return StreamTurn(state, session, plan, response)
+    return StreamTurn(state, session, plan, response, on_end=on_end)
 
 
 class StreamTurn(TurnHandle):
     """A streamed turn: a producer task folds the upstream stream; the caller reads events from a queue."""
 
-    def __init__(self, state: GatewayState, session: Session, plan: TurnPlan, response: Response) -> None:
+    def __init__(
+        self,
+        state: GatewayState,
+        session: Session,
+        plan: TurnPlan,
+        response: Response,
+        *,
+        on_end: TurnEndHook | None = None,
+    ) -> None:
         super().__init__(state, plan)
         self.session = session
+        self._on_end = on_end
         self.response = response
         self.decoder = CumulativeStreamDecoder()
         self.token_ids = GrowableArray(np.int32)
@@ -291,18 +312,24 @@ class StreamTurn(TurnHandle):
 
     async def client_events(self) -> AsyncIterator[bytes]:
         """The caller's SSE: deltas, then a ``turn`` (or ``error``) event, then ``[DONE]``."""
+        async for batch, ended in self.event_batches():
+            yield b"".join(b"data: %b\n\n" % orjson.dumps(event) for event in batch) + (
+                b"data: [DONE]\n\n" if ended else b""
+            )
+
+    async def event_batches(self) -> AsyncIterator[tuple[list[dict[str, Any]], bool]]:
+        """The turn's events as they come: ``delta``s, then one ``turn`` (or ``error``) event. Whatever is queued
+        comes in one batch (for one write: each write to a loopback peer costs a trip through its TCP stack, more
+        than the bytes of a delta); ``ended`` is true on the last batch. A caller that stops reading before the end
+        (it went away) aborts the turn."""
         try:
             ended = False
             while not ended:
-                # Whatever is queued goes out in one write: each write to a loopback peer costs a trip through its
-                # TCP stack, more than the bytes of a delta.
                 batch = [await self.events.get()]
                 while not self.events.empty():
                     batch.append(self.events.get_nowait())
                 ended = batch[-1] is None
-                yield b"".join(b"data: %b\n\n" % orjson.dumps(event) for event in batch if event is not None) + (
-                    b"data: [DONE]\n\n" if ended else b""
-                )
+                yield [event for event in batch if event is not None], ended
         finally:
             if not self.task.done():  # the caller went away mid-turn
                 self.abort("client disconnected")
@@ -320,13 +347,15 @@ class StreamTurn(TurnHandle):
         self.task.cancel()
 
     async def _produce(self) -> None:
-        folded = False
+        folded: FoldedTurn | None = None
+        complete = False  # the upstream sent its final chunk: only [DONE] remains to read
         try:
-            summary = await self._consume()
-            folded = True
-            self.events.put_nowait({"type": "turn", **summary})
+            folded = await self._consume()
+            complete = True
+            self.events.put_nowait({"type": "turn", **folded.summary})
         except asyncio.CancelledError:
-            self.events.put_nowait({"type": "turn", **self._fold_partial(self.abort_reason or "gateway shutdown")})
+            folded = self._fold_partial(self.abort_reason or "gateway shutdown")
+            self.events.put_nowait({"type": "turn", **folded.summary})
             if self.abort_reason is None:
                 raise  # not our own hard stop: shutdown
         except (UpstreamProtocolError, LimitExceeded) as exc:
@@ -335,22 +364,32 @@ class StreamTurn(TurnHandle):
             self.events.put_nowait({"type": "error", "error": exc.to_body()["error"], "turn": None})
         except GatewayError as error:
             self.state.metrics.record_error(error)
-            partial = self._fold_partial(error.message) if len(self.token_ids) else None
-            self.events.put_nowait({"type": "error", "error": error.to_body()["error"], "turn": partial})
+            folded = self._fold_partial(error.message) if len(self.token_ids) else None
+            turn = None if folded is None else folded.summary
+            self.events.put_nowait({"type": "error", "error": error.to_body()["error"], "turn": turn})
         except Exception:  # a bug: the caller still gets an error event, and the session is released
             log.exception("session %s: streamed turn %s failed", self.session.session_id, self.rid)
             error = GatewayError("internal error while streaming the turn (see the gateway log)")
             self.events.put_nowait({"type": "error", "error": error.to_body()["error"], "turn": None})
         finally:
+            self._ended(folded)
             self.state.store.release(self.session)
             self.finished()
             self.events.put_nowait(None)
             try:
-                if folded:
+                if complete:
                     await self._read_rest()
             finally:
                 await self._pieces.aclose()
                 await self.response.aclose()
+
+    def _ended(self, folded: FoldedTurn | None) -> None:
+        if self._on_end is None:
+            return
+        try:
+            self._on_end(folded)
+        except Exception:  # the hook's owner reports its own errors; the session must still be released
+            log.exception("session %s: the end of streamed turn %s failed", self.session.session_id, self.rid)
 
     async def _read_rest(self) -> None:
         """After the final chunk only ``[DONE]`` and the end of the body remain: read them, so that the connection
@@ -361,7 +400,7 @@ class StreamTurn(TurnHandle):
                 async for _ in self._pieces:
                     pass
 
-    async def _consume(self) -> dict[str, Any]:
+    async def _consume(self) -> FoldedTurn:
         upstream = self.state.upstream
         # The final event (tens of MB of routing) is joined into a pooled buffer, given back once decoded.
         events = SSEDecoder(big_buffer=upstream.buffers.take)
@@ -374,19 +413,19 @@ class StreamTurn(TurnHandle):
                 if payload == SSE_DONE:
                     break
                 try:
-                    summary = await self._on_chunk(payload)
+                    folded = await self._on_chunk(payload)
                 finally:
                     upstream.recycle(payload)
-                if summary is not None:
-                    return summary
+                if folded is not None:
+                    return folded
         raise UpstreamError("upstream stream ended without a final chunk")
 
-    async def _on_chunk(self, payload: bytes) -> dict[str, Any] | None:
+    async def _on_chunk(self, payload: bytes) -> FoldedTurn | None:
         if self.decoder.is_final(payload):
             turn = await self.state.decode("stream_final", len(payload), lambda: self._decode_final(payload))
             check_answer_belongs(self.plan, turn)
             self._take(self.decoder.final_delta(turn))
-            return fold(self.state, self.session, self.plan, turn).summary
+            return fold(self.state, self.session, self.plan, turn)
         work = self.decoder.work_bytes(payload)
         delta, answer = await self.state.decode("stream_chunk", work, lambda: self.decoder.feed(payload))
         if answer is not None and (error := stream_error_payload(answer)) is not None:
@@ -403,7 +442,7 @@ class StreamTurn(TurnHandle):
         # a final chunk the fast check could not see (its keys laid out differently): decode the parsed form
         turn = decode_answer(answer, want_routing=self.plan.want_routing, want_top_p=self.plan.want_top_p)  # type: ignore[arg-type]
         check_answer_belongs(self.plan, turn)
-        return fold(self.state, self.session, self.plan, turn).summary
+        return fold(self.state, self.session, self.plan, turn)
 
     def _check_owner(self, payload: AnswerBytes, answer: dict[str, Any] | None) -> None:
         """The first chunk says whose stream this is. Without this check a foreign stream (a late answer on a reused
@@ -438,7 +477,7 @@ class StreamTurn(TurnHandle):
             }
         )
 
-    def _fold_partial(self, reason: str) -> dict[str, Any]:
+    def _fold_partial(self, reason: str) -> FoldedTurn:
         """Fold every token received so far as an aborted turn.
 
         The upstream never sent this turn's replay data: the tokens get empty top-p spans (when top-p replay
@@ -459,4 +498,4 @@ class StreamTurn(TurnHandle):
             top_p_offsets=no_spans[1],
             weight_version_spans=self.decoder.partial_version_spans(n),
         )
-        return fold(self.state, self.session, self.plan, turn, partial=True).summary
+        return fold(self.state, self.session, self.plan, turn, partial=True)

@@ -9,9 +9,13 @@ import numpy as np
 import orjson
 
 from gateway.codec import encode_safetensors, narrowest_unsigned
+from gateway.errors import InvalidRequest
+from gateway.sample import SessionSample
 from gateway.store import Session
 
 if TYPE_CHECKING:
+    from gateway.chat.conversation import ChatRecord
+    from gateway.chat.messages import ChatMessage
     from gateway.turns import FoldedTurn
 
 LAST_TOKENS_SHOWN = 16
@@ -27,6 +31,7 @@ def session_summary(session: Session) -> dict[str, Any]:
         "response_length": sample.response_length,
         "total_tokens": len(sample.tokens),
         "turns": len(sample.turns),
+        "branch": len(session.branches),  # the live trajectory's index (0 until a chat history is edited)
         "created_at": session.created_at,
         "updated_at": session.updated_at,
     }
@@ -55,7 +60,41 @@ def session_view(session: Session) -> dict[str, Any]:
         "last_tokens": arrays["tokens"][-LAST_TOKENS_SHOWN:].tolist(),
         "turn_log": [t.to_json() for t in sample.turns],
     }
+    if session.branches:
+        view["branches"] = [_branch_summary(i, branch) for i, branch in enumerate(session.branches)]
+    if session.chat is not None:
+        view["chat"] = _chat_view(session.chat)
     return view
+
+
+def _branch_summary(index: int, sample: SessionSample) -> dict[str, Any]:
+    return {
+        "branch": index,
+        "status": sample.status.value,
+        "prompt_length": sample.prompt_length,
+        "response_length": sample.response_length,
+        "total_tokens": len(sample.tokens),
+        "turns": len(sample.turns),
+    }
+
+
+CHAT_CONTENT_SHOWN = 200
+
+
+def _chat_view(record: ChatRecord) -> dict[str, Any]:
+    """The chat record as the curl view shows it: each message, its content cut short, where the model's end."""
+    return {
+        "tools": [tool.name for tool in record.tools],
+        "messages": [_message_view(message, end) for message, end in zip(record.messages, record.ends, strict=True)],
+    }
+
+
+def _message_view(message: ChatMessage, end: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": message.content[:CHAT_CONTENT_SHOWN]}
+    if message.tool_calls:
+        out["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in message.tool_calls]
+    out["generated_until_token"] = end  # the model wrote it: the session's token count right after it
+    return out
 
 
 # Elements per orjson call when a full view is encoded: ~0.5 ms each, so the thread doing it hands the GIL (and the
@@ -84,6 +123,19 @@ def full_view(session: Session) -> FullView:
     return FullView(session_view(session), session.sample.arrays())
 
 
+def session_branch(session: Session, branch: int | None) -> SessionSample:
+    """One trajectory of ``session`` by index (``Session.samples``); None: the live one."""
+    if branch is None:
+        return session.sample
+    samples = session.samples
+    if not 0 <= branch < len(samples):
+        raise InvalidRequest(
+            f"session {session.session_id!r} has branches 0..{len(samples) - 1}, not {branch}",
+            branches=len(samples),
+        )
+    return samples[branch]
+
+
 def _json_array(values: np.ndarray) -> bytes:
     """``values`` as nested JSON lists, encoded a slice of rows at a time."""
     if not len(values):
@@ -96,11 +148,14 @@ def _json_array(values: np.ndarray) -> bytes:
     return b"[" + b",".join(pieces) + b"]"
 
 
-def sample_metadata(session: Session) -> dict[str, str]:
-    """safetensors metadata is str -> str: scalars as text, structures as JSON."""
-    sample = session.sample
+def sample_metadata(session: Session, sample: SessionSample | None = None) -> dict[str, str]:
+    """safetensors metadata is str -> str: scalars as text, structures as JSON. ``sample``: one of the session's
+    trajectories (default: the live one)."""
+    sample = session.sample if sample is None else sample
     meta = {
         "session_id": session.session_id,
+        "branch": str(next(i for i, s in enumerate(session.samples) if s is sample)),
+        "branches": str(len(session.branches) + 1),
         "status": sample.status.value,
         "response": sample.response,
         "response_length": str(sample.response_length),
@@ -135,8 +190,9 @@ class SamplePayload:
         return encode_safetensors(self.arrays, self.metadata)
 
 
-def sample_payload(session: Session) -> SamplePayload:
-    return SamplePayload(session.sample.arrays(), sample_metadata(session))
+def sample_payload(session: Session, branch: int | None = None) -> SamplePayload:
+    sample = session_branch(session, branch)
+    return SamplePayload(sample.arrays(), sample_metadata(session, sample))
 
 
 def turn_payload(folded: FoldedTurn) -> SamplePayload:
@@ -168,9 +224,14 @@ def turn_payload(folded: FoldedTurn) -> SamplePayload:
 
 
 def group_payload(sessions: list[Session]) -> SamplePayload:
-    """A whole group in one safetensors file: tensors named ``{i}/{field}``, metadata under ``samples``."""
+    """A whole group in one safetensors file: tensors named ``{i}/{field}``, metadata under ``samples``. Each
+    trajectory of a session is its own sample (a chat session whose history was edited has several: its branches
+    in order, the live one last), so each generated response is trained once."""
     arrays: dict[str, np.ndarray] = {}
-    for i, session in enumerate(sessions):
-        arrays.update({f"{i}/{name}": a for name, a in session.sample.arrays().items()})
-    metadata = {"samples": orjson.dumps([sample_metadata(s) for s in sessions]).decode(), "count": str(len(sessions))}
+    samples: list[dict[str, str]] = []
+    for session in sessions:
+        for sample in session.samples:
+            arrays.update({f"{len(samples)}/{name}": a for name, a in sample.arrays().items()})
+            samples.append(sample_metadata(session, sample))
+    metadata = {"samples": orjson.dumps(samples).decode(), "count": str(len(samples))}
     return SamplePayload(arrays, metadata)

@@ -148,15 +148,16 @@ class GatewayClient:
     async def create_session(
         self,
         *,
-        prompt_ids: Sequence[int],
+        prompt_ids: Sequence[int] | None = None,
         num_layers: int | None = None,
         moe_router_topk: int | None = None,
         session_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         sampling_defaults: Mapping[str, Any] | None = None,
     ) -> Session:
-        """Start a session from prompt token ids; give ``num_layers`` and ``moe_router_topk`` for routing replay."""
-        body: dict[str, Any] = {"prompt_ids": token_list(prompt_ids)}
+        """Start a session from prompt token ids; give ``num_layers`` and ``moe_router_topk`` for routing replay.
+        Without ``prompt_ids``: a chat session, whose first chat request renders the prompt (``openai_base_url``)."""
+        body: dict[str, Any] = {} if prompt_ids is None else {"prompt_ids": token_list(prompt_ids)}
         optional = {
             "num_layers": num_layers,
             "moe_router_topk": moe_router_topk,
@@ -212,7 +213,8 @@ class GatewayClient:
         return [SessionSummary.from_json(item) for item in answer.get("sessions", [])]
 
     async def fetch_samples(self, session_ids: Sequence[str]) -> list[RolloutSample]:
-        """Several sessions' samples in one round trip (``POST /v1/samples``), in the order asked."""
+        """Several sessions' samples in one round trip (``POST /v1/samples``), in the order asked. A chat session
+        whose history was edited holds several trajectories: each is its own sample (``RolloutSample.branch``)."""
         if not session_ids:
             return []
         body = {"session_ids": list(session_ids)}
@@ -427,10 +429,21 @@ class Session:
         answer = await self.client._json("GET", self._path, params=params, idempotent=True)
         return SessionState.from_json(answer)
 
-    async def fetch(self) -> RolloutSample:
-        """The compact sample (safetensors) as torch tensors."""
-        content = await self.client._safetensors("GET", f"{self._path}/sample", idempotent=True)
+    async def fetch(self, branch: int | None = None) -> RolloutSample:
+        """The compact sample (safetensors) as torch tensors: the live trajectory, or ``branch`` (a chat session
+        whose history was edited has several; ``fetch_all`` gets them all)."""
+        params = None if branch is None else f"?branch={branch}"
+        content = await self.client._safetensors("GET", f"{self._path}/sample{params or ''}", idempotent=True)
         return RolloutSample.from_safetensors(content)
+
+    async def fetch_all(self) -> list[RolloutSample]:
+        """Every trajectory of the session, one sample each (one for a session that never forked)."""
+        return await self.client.fetch_samples([self.session_id])
+
+    @property
+    def openai_base_url(self) -> str:
+        """The ``base_url`` an OpenAI (or Anthropic) client uses to chat in this session."""
+        return f"{self.client.base_url}{self._path}"
 
     async def delete(self) -> None:
         await self.client._send("DELETE", self._path, idempotent=True, gone_is_done=True)

@@ -92,6 +92,10 @@ class RolloutSample:
     spec_counters: dict[str, int] = field(default_factory=dict)
     turns: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    # A chat session whose history was edited holds several trajectories (branches), each its own sample: this
+    # one's index, and how many the session has.
+    branch: int = 0
+    branches: int = 1
 
     # ---- reading ---------------------------------------------------------------------------------------------
     @classmethod
@@ -102,7 +106,8 @@ class RolloutSample:
 
     @classmethod
     def group_from_safetensors(cls, body: SampleBody) -> list[RolloutSample]:
-        """A group from the bytes of ``POST /v1/samples`` (request order)."""
+        """A group from the bytes of ``POST /v1/samples`` (request order; a session with branches gives one sample
+        per branch, in branch order)."""
         header, data_start = read_safetensors_header(body)
         metadata = _metadata(header)
         try:
@@ -142,6 +147,8 @@ class RolloutSample:
                 spec_counters=_json_field(meta, "spec_counters", {}),
                 turns=int(meta.get("turns", 0)),
                 metadata=_json_field(meta, "metadata", {}),
+                branch=int(meta.get("branch", 0)),
+                branches=int(meta.get("branches", 1)),
             )
         except (KeyError, ValueError, orjson.JSONDecodeError) as exc:
             raise GatewayResponseError(f"sample is missing or has an invalid field: {exc!r}") from exc

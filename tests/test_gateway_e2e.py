@@ -222,7 +222,7 @@ async def test_group_fetch_and_list_and_delete(gw: httpx.AsyncClient) -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        {},
+        {"generate": {}},  # no prompt_ids: a chat session, which has nothing to generate from yet
         {"prompt_ids": []},
         {"prompt_ids": [1, -2]},
         {"prompt_ids": [1, "2"]},

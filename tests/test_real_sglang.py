@@ -224,3 +224,62 @@ async def test_passthrough_stream_reaches_done(gw: httpx.AsyncClient, engine: En
     assert all(chunk["meta_info"]["finish_reason"] is None for chunk in chunks[:-1])
     rows = len(PROMPT) + 5 - 1
     assert len(pybase64.b64decode(final["routed_experts"])) == rows * engine.num_layers * engine.topk * 4
+
+
+# ---- a chat session ------------------------------------------------------------------------------------------
+# The engine's word-level vocabulary ("w0" ... "w508", whitespace-split) has no markup, so the gateway gets the model's
+# tokenizer with a chat template made of words and its special tokens: every rendered token is one the model knows.
+CHAT_TEMPLATE = (
+    "{% set roles = {'system': 'w502', 'user': 'w500', 'assistant': 'w501', 'tool': 'w503'} %}"
+    "{% for m in messages %}{{ roles[m['role']] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}w501 {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine model's tokenizer with the template above."""
+    out = tmp_path_factory.mktemp("engine-tokenizer")
+    (out / "tokenizer.json").write_bytes((ENGINE_DIR / "model" / "tokenizer.json").read_bytes())
+    config = json.loads((ENGINE_DIR / "model" / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return out
+
+
+async def test_a_chat_session_against_the_engine(
+    engine: Engine, chat_tokenizer: Path, direct: httpx.AsyncClient
+) -> None:
+    """Two OpenAI chat turns through the gateway: the engine sees the session's tokens plus only the new rendered
+    message, and the stored routing equals a full-sequence call's."""
+    import openai
+
+    with run_gateway(engine.url, "--tokenizer", str(chat_tokenizer), "--log-level", "warning") as gateway:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as gw:
+            moe = {"num_layers": engine.num_layers, "moe_router_topk": engine.topk}
+            created = await gw.post("/v1/sessions", json=moe)
+            assert created.status_code == 201, created.text
+            sid = created.json()["session_id"]
+            client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="-", timeout=120)
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "w1 w2 w3"}]
+            first = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
+            messages += [
+                {"role": "assistant", "content": first.choices[0].message.content or ""},
+                {"role": "user", "content": "w4 w5"},
+            ]
+            second = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
+            assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+            arrays = await fetch_sample(gw, sid)
+            view = (await gw.get(f"/v1/sessions/{sid}")).json()
+    tokens = arrays["tokens"].tolist()
+    assert all(0 <= t < engine.vocab_size for t in tokens)
+    assert len(tokens) == second.usage.prompt_tokens + second.usage.completion_tokens
+    assert [t["kind"] for t in view["turn_log"]] == ["model", "tool", "model"]
+    mask = arrays["loss_mask"].tolist()
+    assert sum(mask) == first.usage.completion_tokens + second.usage.completion_tokens
+    assert mask[: first.usage.completion_tokens] == [1] * first.usage.completion_tokens
+    routing = arrays["rollout_routed_experts"]
+    assert routing.shape == (len(tokens) - 1, engine.num_layers, engine.topk)
+    reference = await full_sequence_routing(direct, engine, tokens)
+    np.testing.assert_array_equal(routing, reference[: len(tokens) - 1])

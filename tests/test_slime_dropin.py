@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import importlib.util
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -313,8 +313,9 @@ async def test_prompt_is_tokenized_when_tokens_are_empty(
     assert (await (await gw.session(sample.session_id)).state()).prompt_length == 3
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers is installed here")
-def test_missing_transformers_is_a_clear_error() -> None:
+def test_missing_transformers_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: importing it raises ImportError
+    dropin._load_tokenizer.cache_clear()
     with pytest.raises(ImportError, match="transformers"):
         dropin.prompt_token_ids(make_args("http://unused"), "some prompt")
     with pytest.raises(TypeError, match="string"):

@@ -27,7 +27,7 @@ FINISHED = frozenset({Status.COMPLETED, Status.TRUNCATED})  # slime never genera
 async def create_session(body: SessionCreateBody, state: StateDep, request: Request) -> Response:
     moe = None if body.num_layers is None else MoEShape(body.num_layers, body.moe_router_topk)  # type: ignore[arg-type]
     session = state.store.create(
-        SessionSample.from_prompt(body.prompt_ids, moe),
+        SessionSample.from_prompt(np.empty(0, np.int32) if body.prompt_ids is None else body.prompt_ids, moe),
         session_id=body.session_id,
         metadata=body.metadata,
         sampling_defaults=body.sampling_defaults,
@@ -134,8 +134,9 @@ async def append(session_id: str, body: ToolAppendBody, state: StateDep) -> Resp
 
 
 @router.get("/sessions/{session_id}/sample")
-async def get_sample(session_id: str, state: StateDep) -> Response:
-    payload = sample_payload(state.store.get(session_id))
+async def get_sample(session_id: str, state: StateDep, branch: int | None = None) -> Response:
+    """The live trajectory's sample, or ``?branch=N`` one of a chat session's (``branches`` in the view)."""
+    payload = sample_payload(state.store.get(session_id), branch)
     return safetensors_response(await state.run_cpu(payload.nbytes, payload.encode))
 
 

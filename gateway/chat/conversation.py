@@ -1,0 +1,139 @@
+"""A chat session's record of messages, and how a new request's history maps onto the session's tokens.
+
+Each request carries the whole history (the chat APIs are stateless). The session keeps the messages it has seen
+and, for each message the model wrote, where in the tokens it ends. A request whose history starts with the record
+(message by message, ``ChatMessage.same_message``) extends it: only its new messages are rendered, after the
+session's tokens. One that disagrees (the client edited, dropped or reordered earlier messages: drift) is handled
+by the drift policy:
+
+- ``fork`` (default): the session's trajectory so far becomes a finished branch, and a new branch continues from
+  the longest common prefix that ends with a message the model wrote (its tokens unchanged), or from nothing. Each
+  branch is its own training sample, so each generated response is trained once.
+- ``reject``: 409 ``history_mismatch``, the session unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.chat.messages import ChatMessage, ChatRequest, Tool
+from gateway.chat.template import ChatTemplate, Rendered
+from gateway.errors import HistoryMismatch, InvalidRequest
+from gateway.store import Session, SessionStore
+
+DriftPolicy = Literal["fork", "reject"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRecord:
+    messages: tuple[ChatMessage, ...]
+    # Per message: the session's token count right after it when the model wrote it (where a branch can continue);
+    # None for messages that were rendered.
+    ends: tuple[int | None, ...]
+    tools: tuple[Tool, ...]
+    tools_key: bytes
+
+    def common_prefix(self, request: ChatRequest) -> int:
+        """How many leading messages of ``request`` are the record's (none when the tools differ: they are part of
+        the rendered prompt)."""
+        if request.tools_key != self.tools_key:
+            return 0
+        count = 0
+        for mine, theirs in zip(self.messages, request.messages, strict=False):
+            if not mine.same_message(theirs):
+                break
+            count += 1
+        return count
+
+    def branch_point(self, common: int) -> int:
+        """The longest prefix of ``common`` messages that ends with a message the model wrote (0: none)."""
+        for count in range(common, 0, -1):
+            if self.ends[count - 1] is not None:
+                return count
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """What a chat request does to its session before the model turn, decided before anything changes."""
+
+    history: int  # leading messages of the request that are already in the session (or its new branch)
+    fork_at: int | None  # None: the session goes on; else a new branch continues from this many tokens
+    delta: Rendered  # the tokens the request adds before the model answers
+    as_prompt: bool  # the delta is the prompt (a new conversation) rather than tokens after the model's last reply
+    first_difference: int | None = None  # drift: the first message that differs from the record
+
+    def tokens_after(self, session: Session) -> int:
+        base = len(session.sample.tokens) if self.fork_at is None else self.fork_at
+        return base + len(self.delta.ids)
+
+
+def plan_chat(template: ChatTemplate, session: Session, request: ChatRequest, policy: DriftPolicy) -> ChatPlan:
+    record: ChatRecord | None = session.chat
+    tokens = session.sample.tokens.view()
+    if record is None:
+        if len(tokens):
+            raise InvalidRequest(
+                f"session {session.session_id!r} was created with prompt_ids: chat requests need a session created "
+                "without them (its first chat request renders the prompt)"
+            )
+        return ChatPlan(0, None, template.prompt(request.messages, request.tools), as_prompt=True)
+    common = record.common_prefix(request)
+    if common == len(record.messages):  # the request extends the record (its last message is never the model's)
+        history, new = request.messages[:common], request.messages[common:]
+        delta = template.continuation(history, new, request.tools, last_token=int(tokens[-1]))
+        return ChatPlan(common, None, delta, as_prompt=False)
+    if policy == "reject":
+        raise HistoryMismatch(
+            f"message {common} of the request differs from the session's record (drift policy: reject)",
+            session_id=session.session_id,
+            first_difference=common,
+            recorded_messages=len(record.messages),
+        )
+    point = record.branch_point(common)
+    if not point:
+        return ChatPlan(0, 0, template.prompt(request.messages, request.tools), True, first_difference=common)
+    end = record.ends[point - 1]
+    assert end is not None
+    history, new = request.messages[:point], request.messages[point:]
+    delta = template.continuation(history, new, request.tools, last_token=int(tokens[end - 1]))
+    return ChatPlan(point, end, delta, as_prompt=False, first_difference=common)
+
+
+def apply_plan(store: SessionStore, session: Session, plan: ChatPlan) -> Callable[[], None]:
+    """Add the plan's tokens (on a new branch when it forks); returns the undo, for when the model turn fails."""
+    old_sample, old_branches = session.sample, len(session.branches)
+    if plan.fork_at is not None:
+        session.branches.append(old_sample)
+        session.sample = old_sample.branch(plan.fork_at)
+    mark = session.sample.mark()
+    if plan.as_prompt:
+        session.sample.append_prompt_tokens(plan.delta.ids)
+    else:
+        session.sample.append_tool_tokens(plan.delta.ids, plan.delta.text)
+    store.recount(session)
+
+    def undo() -> None:
+        if plan.fork_at is None:
+            session.sample.rollback(mark)
+        else:
+            session.sample = old_sample
+            del session.branches[old_branches:]
+        store.recount(session)
+
+    return undo
+
+
+def record_reply(session: Session, request: ChatRequest, plan: ChatPlan, reply: ChatMessage) -> None:
+    """The request's messages and the model's reply become the session's record."""
+    record: ChatRecord | None = session.chat
+    kept = record.ends[: plan.history] if record is not None and plan.history else ()
+    new = len(request.messages) - plan.history
+    session.chat = ChatRecord(
+        messages=(*request.messages, reply),
+        ends=(*kept, *([None] * new), len(session.sample.tokens)),
+        tools=request.tools,
+        tools_key=request.tools_key,
+    )

@@ -1,0 +1,350 @@
+"""The OpenAI Chat Completions API over a session: its request, answer, stream chunks and error shape.
+
+``POST /v1/sessions/{id}/chat/completions``, so that an unmodified OpenAI client works with
+``base_url="{gateway}/v1/sessions/{id}"``. Fields the API has and this gateway cannot honour are refused (``n`` > 1,
+structured ``response_format``, non-text content); fields that change nothing here (``user``, ``store``,
+``metadata``, ``parallel_tool_calls``, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, Tool, ToolCall
+from gateway.chat.service import ChatResult, StreamEvent
+from gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from gateway.turns import StreamTurn
+
+MAX_MESSAGES = 4096
+MAX_TOOLS = 256
+Number = StrictInt | StrictFloat
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: StrictStr
+
+
+Content = StrictStr | Annotated[list[TextPart], Field(max_length=1024)] | None
+
+
+class FunctionCall(_Model):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    arguments: StrictStr
+
+
+class ToolCallIn(_Model):
+    id: Annotated[StrictStr, Field(max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class MessageIn(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content = None
+    name: Annotated[StrictStr, Field(max_length=256)] | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[StrictStr, Field(max_length=256)] | None = None
+
+
+class FunctionDef(_Model):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    description: StrictStr = ""
+    parameters: dict[str, Any] | None = None
+
+
+class ToolIn(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: FunctionCall | dict[str, Any]
+
+
+class StreamOptions(_Model):
+    include_usage: StrictBool = False
+
+
+class ChatCompletionRequest(_Model):
+    messages: Annotated[list[MessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
+    model: StrictStr | None = None
+    tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None  # not OpenAI's, but SGLang's and vLLM's servers take it
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
+    seed: StrictInt | None = None
+    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
+    n: Annotated[StrictInt, Field(ge=1)] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+    logprobs: StrictBool | None = None
+
+
+class OpenAIRequestError(GatewayError):
+    """A request the OpenAI API would refuse: 400 ``invalid_request_error`` with the offending ``param``."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+def parse_request(raw: bytes) -> tuple[ChatRequest, ChatCompletionRequest]:
+    try:
+        body = ChatCompletionRequest.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise OpenAIRequestError(f"invalid request: {where}: {first.get('msg')}", param=where or None) from None
+    return to_chat_request(body), body
+
+
+def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
+    if body.n not in (None, 1):
+        raise OpenAIRequestError("only n=1 is supported: a session holds one trajectory per turn", param="n")
+    if body.response_format is not None and body.response_format.get("type") not in (None, "text"):
+        raise OpenAIRequestError("structured response_format is not supported", param="response_format")
+    if body.logprobs:
+        raise OpenAIRequestError(
+            "logprobs are not returned here: the session's sample holds them (GET /v1/sessions/{id}/sample)",
+            param="logprobs",
+        )
+    tools = tuple(_tool(t) for t in body.tools or ())
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise OpenAIRequestError("tool names must be unique", param="tools")
+    messages = tuple(_message(m, i) for i, m in enumerate(body.messages))
+    check_history(messages)
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        tool_choice=_tool_choice(body, set(names)),
+        sampling_params=_sampling_params(body),
+        stream=body.stream,
+        model=body.model,
+    )
+
+
+def check_history(messages: tuple[ChatMessage, ...]) -> None:
+    """What every chat API refuses: a tool result for no earlier call, and a history the model would continue
+    rather than answer (its last message its own)."""
+    calls: set[str] = set()
+    for i, message in enumerate(messages):
+        calls.update(c.id for c in message.tool_calls)
+        if message.role == "tool" and message.tool_call_id not in calls:
+            raise OpenAIRequestError(
+                f"messages[{i}]: tool_call_id {message.tool_call_id!r} answers no earlier tool call",
+                param=f"messages.{i}.tool_call_id",
+            )
+    if messages[-1].role == "assistant":
+        raise OpenAIRequestError(
+            "the last message is the assistant's: continuing a reply (prefill) is not supported, end with a user or "
+            "tool message",
+            param="messages",
+        )
+
+
+def _text(content: Content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part.text for part in content)
+
+
+def _message(m: MessageIn, i: int) -> ChatMessage:
+    role = "system" if m.role == "developer" else m.role
+    if role == "tool" and not m.tool_call_id:
+        raise OpenAIRequestError(f"messages[{i}]: a tool message needs tool_call_id", param=f"messages.{i}")
+    if m.tool_calls and role != "assistant":
+        raise OpenAIRequestError(f"messages[{i}]: only assistant messages carry tool_calls", param=f"messages.{i}")
+    calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
+    return ChatMessage(
+        role=role,  # type: ignore[arg-type]
+        content=_text(m.content),
+        tool_calls=calls,
+        tool_call_id=m.tool_call_id if role == "tool" else None,
+        name=m.name,
+    )
+
+
+def _tool(t: ToolIn) -> Tool:
+    return Tool(t.function.name, t.function.description, t.function.parameters or {})
+
+
+def _tool_choice(body: ChatCompletionRequest, names: set[str]) -> str:
+    choice = body.tool_choice
+    if choice is None:
+        return "auto" if names else "none"
+    if isinstance(choice, str):
+        if choice != "none" and not names:
+            raise OpenAIRequestError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+        return choice
+    name = choice.function.name if isinstance(choice.function, FunctionCall) else choice.function.get("name")
+    if not isinstance(name, str) or name not in names:
+        raise OpenAIRequestError(f"tool_choice names an unknown tool {name!r}", param="tool_choice")
+    return name
+
+
+def _sampling_params(body: ChatCompletionRequest) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    for key, value in (
+        ("temperature", body.temperature),
+        ("top_p", body.top_p),
+        ("top_k", body.top_k),
+        ("max_new_tokens", max_tokens),
+        ("stop", [body.stop] if isinstance(body.stop, str) else body.stop),
+        ("sampling_seed", body.seed),
+        ("frequency_penalty", body.frequency_penalty),
+        ("presence_penalty", body.presence_penalty),
+    ):
+        if value is not None:
+            params[key] = value
+    return params
+
+
+# ---- answers -------------------------------------------------------------------------------------------------
+FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
+
+
+def completion_id(reply: AssistantReply) -> str:
+    return f"chatcmpl-{reply.rid}"
+
+
+def message_json(message: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": message.content or None}
+    if message.tool_calls:
+        out["tool_calls"] = [_tool_call_json(c) for c in message.tool_calls]
+    return out
+
+
+def _tool_call_json(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def usage_json(reply: AssistantReply) -> dict[str, Any]:
+    return {
+        "prompt_tokens": reply.prompt_tokens,
+        "completion_tokens": reply.completion_tokens,
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": reply.cached_tokens},
+    }
+
+
+def completion_json(result: ChatResult, model: str) -> dict[str, Any]:
+    reply = result.reply
+    return {
+        "id": completion_id(reply),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message_json(reply.message),
+                "finish_reason": FINISH_REASONS[reply.finish],
+                "logprobs": None,
+            }
+        ],
+        "usage": usage_json(reply),
+        "gateway": result.gateway_json(),
+    }
+
+
+class ChunkWriter:
+    """The stream as OpenAI sends it: a first chunk with the role, content deltas, the tool calls, a last chunk with
+    the finish reason (and a usage chunk when asked for), then ``[DONE]``."""
+
+    def __init__(self, model: str, include_usage: bool) -> None:
+        self.model = model
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.id = "chatcmpl-pending"
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def start(self, turn: StreamTurn) -> bytes:
+        self.id = f"chatcmpl-{turn.rid}"
+        return self.chunk({"role": "assistant", "content": ""})
+
+    def event(self, event: StreamEvent) -> bytes:
+        out = [self.chunk({"content": event.text})] if event.text else []
+        if event.end:
+            out.append(self._end(event))
+        return b"".join(out)
+
+    def _end(self, event: StreamEvent) -> bytes:
+        reply = event.reply
+        if reply is None:
+            return b"data: " + orjson.dumps({"error": openai_error_json(event.error or {})}) + b"\n\ndata: [DONE]\n\n"
+        out = []
+        if reply.message.tool_calls:
+            calls = [{"index": i, **_tool_call_json(c)} for i, c in enumerate(reply.message.tool_calls)]
+            out.append(self.chunk({"tool_calls": calls}))
+        out.append(self.chunk({}, FINISH_REASONS[reply.finish]))
+        if self.include_usage:
+            usage = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+            out.append(b"data: " + orjson.dumps(usage | {"choices": [], "usage": usage_json(reply)}) + b"\n\n")
+        if event.error is not None:  # a turn cut by an error after some tokens: folded, and reported
+            out.append(b"data: " + orjson.dumps({"error": openai_error_json(event.error)}) + b"\n\n")
+        out.append(b"data: [DONE]\n\n")
+        return b"".join(out)
+
+
+# ---- errors --------------------------------------------------------------------------------------------------
+def openai_error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def openai_error_json(error: dict[str, Any], status: int = 500) -> dict[str, Any]:
+    """The gateway's error body (``{"type", "message", ...}``) in OpenAI's shape; ``code`` is the gateway's type."""
+    gateway_type = str(error.get("type", "internal_error"))
+    kind = gateway_type if gateway_type == "invalid_request_error" else openai_error_type(status)
+    return {
+        "message": error.get("message", ""),
+        "type": kind,
+        "param": error.get("param"),
+        "code": None if gateway_type == "invalid_request_error" else gateway_type,
+    }
+
+
+def error_status(exc: GatewayError) -> int:
+    """OpenAI answers a bad request 400, never 422."""
+    return 400 if exc.status_code == 422 else exc.status_code
+
+
+def error_body(exc: GatewayError) -> dict[str, Any]:
+    return {"error": openai_error_json(exc.to_body()["error"], error_status(exc))}

@@ -1,0 +1,130 @@
+"""The served model's chat template and tokenizer: messages to token ids, and only the new messages after a prefix.
+
+A Hugging Face tokenizer directory given at start (``--tokenizer`` / ``GATEWAY_TOKENIZER``), read with
+``AutoTokenizer.from_pretrained(path, local_files_only=True)``: nothing is ever downloaded. Rendering goes through
+transformers' ``apply_chat_template`` (the template's Jinja, as the model was trained with it); encoding through the
+Rust tokenizer itself, which is safe to call from several threads (the Python wrapper's encode changes shared
+truncation state, the known "Already borrowed" failure).
+
+Token-in-token-out: the session's tokens are the truth. Messages already in a session are never re-rendered into
+tokens; new messages are rendered as the template renders them after the recorded ones
+(``render(history + new) - render(history)``, as text), so the prefix cache and the training sample agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gateway.chat.messages import ChatMessage, Tool
+from gateway.errors import ChatTemplateError
+
+log = logging.getLogger("gateway.chat")
+
+_PROBE = "\x00slime-gateway-probe\x00"
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    ids: np.ndarray  # int32
+    text: str
+    render_s: float  # time in the template and the tokenizer
+
+
+class ChatTemplate:
+    def __init__(self, tokenizer: Any, name: str) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer at {name} has no chat template")
+        self.tokenizer = tokenizer
+        self.name = name
+        self._backend = tokenizer.backend_tokenizer
+        self.vocab_size = len(tokenizer)
+        self.stop_token_ids = frozenset(tokenizer.all_special_ids)
+        self.assistant_close = self._assistant_close()
+
+    @classmethod
+    def load(cls, path: str) -> ChatTemplate:
+        started = time.perf_counter()
+        from transformers import AutoTokenizer  # slow to import (seconds): only when chat is configured
+
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(f"the tokenizer at {path} has no fast (Rust) implementation")
+        template = cls(tokenizer, path)
+        log.info(
+            "chat: tokenizer %s (%d tokens) loaded in %.1fs; assistant turns close with %r",
+            path,
+            template.vocab_size,
+            time.perf_counter() - started,
+            template.assistant_close,
+        )
+        return template
+
+    # ---- rendering -------------------------------------------------------------------------------------------
+    def render_text(self, messages: Sequence[ChatMessage], tools: Sequence[Tool], *, generation_prompt: bool) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [m.template_dict() for m in messages],
+                tools=[t.template_dict() for t in tools] or None,
+                add_generation_prompt=generation_prompt,
+                tokenize=False,
+            )
+        except Exception as exc:  # the template's own checks (jinja's raise_exception), or its bugs
+            raise ChatTemplateError(f"the chat template cannot render these messages: {exc}") from exc
+        if not isinstance(text, str):
+            raise ChatTemplateError("the chat template did not render text")
+        return text
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._backend.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def prompt(self, messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> Rendered:
+        """A whole conversation, ready for the model's answer (a new session, or a branch from nothing)."""
+        started = time.perf_counter()
+        text = self.render_text(messages, tools, generation_prompt=True)
+        return Rendered(self.encode(text), text, time.perf_counter() - started)
+
+    def continuation(
+        self,
+        history: Sequence[ChatMessage],
+        new: Sequence[ChatMessage],
+        tools: Sequence[Tool],
+        *,
+        last_token: int,
+    ) -> Rendered:
+        """The tokens that follow a history whose last message the model wrote (ending in ``last_token``): the rest
+        of that message's closing the model did not write (the template's text after an assistant message, less the
+        stop token the model ended with), then the new messages and the generation prompt, as the template renders
+        them after the history."""
+        started = time.perf_counter()
+        before = self.render_text(history, tools, generation_prompt=False)
+        after = self.render_text([*history, *new], tools, generation_prompt=True)
+        if not after.startswith(before):
+            raise ChatTemplateError(
+                "the chat template renders the earlier messages differently once new ones follow them, so new "
+                "messages cannot be appended token-in-token-out with this template"
+            )
+        text = self.unwritten_close(last_token) + after[len(before) :]
+        return Rendered(self.encode(text), text, time.perf_counter() - started)
+
+    def unwritten_close(self, last_token: int) -> str:
+        """What the template puts after an assistant message that the model did not generate: all of it, unless the
+        model ended with the stop token the close starts with (``<|im_end|>`` of ``<|im_end|>\\n``)."""
+        if last_token in self.stop_token_ids:
+            written = self.tokenizer.convert_ids_to_tokens(last_token)
+            if isinstance(written, str) and self.assistant_close.startswith(written):
+                return self.assistant_close[len(written) :]
+        return self.assistant_close
+
+    def _assistant_close(self) -> str:
+        probe = [ChatMessage("user", "hi"), ChatMessage("assistant", _PROBE)]
+        text = self.render_text(probe, (), generation_prompt=False)
+        at = text.rfind(_PROBE)
+        if at < 0:
+            raise ValueError(f"the chat template of {self.name} does not render an assistant message's content")
+        return text[at + len(_PROBE) :]
