@@ -107,11 +107,13 @@ def start_server(name: str, args: Sequence[str], env: Mapping[str, str] | None =
 
 @dataclass
 class Services:
-    """Lazily started processes: ``services.simulator``, ``services.gateway``, ``services.gateway_full_routing``."""
+    """Lazily started processes: ``services.simulator``, ``services.gateway``, ``services.gateway_full_routing``,
+    ``services.chat_gateway``."""
 
     moe: MoE
     stream_chunk_tokens: int = 1
     _running: dict[str, ServerProcess] = field(default_factory=dict)
+    _tokenizer_dir: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def simulator(self) -> ServerProcess:
@@ -128,14 +130,37 @@ class Services:
         """A second gateway with ``GATEWAY_INCREMENTAL_ROUTING=false``: whole routing history every turn."""
         return self._gateway("gateway (full routing)", incremental=False)
 
+    @property
+    def chat_gateway(self) -> ServerProcess:
+        """A gateway as deployed, started with ``--tokenizer`` (the tiny chat tokenizer): its chat routes beside its
+        token-level ones. A process of its own, so the other rows' gateway never loads transformers."""
+        return self._gateway("gateway (chat)", incremental=True, tokenizer=self.chat_tokenizer)
+
+    @property
+    def chat_tokenizer(self) -> Path:
+        """A tokenizer directory with a chat template (``gateway.simulator.tiny_tokenizer``), built once per run in
+        a child process (transformers stays out of the bench process) into a temporary directory."""
+        if self._tokenizer_dir is None:
+            log("building the tiny chat tokenizer")
+            directory = tempfile.TemporaryDirectory(prefix="bench-tokenizer-")
+            build = [sys.executable, "-m", "gateway.simulator.tiny_tokenizer", directory.name]
+            done = subprocess.run(build, cwd=REPO_ROOT, env=child_env(), capture_output=True, check=False)
+            if done.returncode != 0:
+                directory.cleanup()
+                raise RuntimeError(f"the tiny tokenizer was not built:\n{done.stderr.decode(errors='replace')}")
+            self._tokenizer_dir = directory
+        return Path(self._tokenizer_dir.name)
+
     def extra_gateway(self, name: str) -> ServerProcess:
         """Another gateway before the same simulator, for a row that needs a process of its own (its memory)."""
         return self._gateway(name, incremental=True)
 
-    def _gateway(self, name: str, *, incremental: bool) -> ServerProcess:
+    def _gateway(self, name: str, *, incremental: bool, tokenizer: Path | None = None) -> ServerProcess:
         upstream = self.simulator.url
         env = {"GATEWAY_INCREMENTAL_ROUTING": "true" if incremental else "false"}
         args = ["-m", "gateway", "--upstream-url", upstream, "--log-level", "warning"]
+        if tokenizer is not None:
+            args += ["--tokenizer", str(tokenizer)]
         return self._get(name, args, env)
 
     def _get(self, name: str, args: list[str], env: Mapping[str, str] | None = None) -> ServerProcess:
@@ -159,3 +184,6 @@ class Services:
         for server in reversed(list(self._running.values())):
             server.stop()
         self._running.clear()
+        if self._tokenizer_dir is not None:
+            self._tokenizer_dir.cleanup()
+            self._tokenizer_dir = None

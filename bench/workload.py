@@ -139,6 +139,18 @@ class GroupShape:
 
 
 @dataclass(frozen=True, slots=True)
+class ChatTurnShape:
+    """Row 13: the second turn of a chat session (OpenAI Chat Completions) vs that of a token-level session: a
+    ~``prompt_tokens`` first prompt, a first answer, then a ~``followup_tokens`` user message and the timed answer,
+    each answer ``response_tokens`` long."""
+
+    prompt_tokens: int = 2_048
+    response_tokens: int = 8_192
+    followup_tokens: int = 200
+    rounds: int = 32
+
+
+@dataclass(frozen=True, slots=True)
 class Suite:
     """Every size the rows use. ``FULL`` is the realistic shape; ``QUICK`` keeps the smoke test fast."""
 
@@ -155,6 +167,7 @@ class Suite:
     receive: ReceiveShape
     dropin: DropinShape
     group: GroupShape
+    chat_turn: ChatTurnShape
 
     @property
     def moe(self) -> MoE:
@@ -175,6 +188,7 @@ FULL = Suite(
     receive=ReceiveShape(),
     dropin=DropinShape(),
     group=GroupShape(),
+    chat_turn=ChatTurnShape(),
 )
 
 QUICK = Suite(
@@ -191,6 +205,7 @@ QUICK = Suite(
     receive=ReceiveShape(sizes=(1 << 20,), rounds=2),
     dropin=DropinShape(prompt_tokens=128, turns=4, turn_tokens=32, rounds=1),
     group=GroupShape(samples=4, steps=2),
+    chat_turn=ChatTurnShape(prompt_tokens=256, response_tokens=1_024, followup_tokens=32, rounds=2),
 )
 
 

@@ -7,6 +7,7 @@ from types import ModuleType
 
 from bench.core import RowFn
 from bench.rows import (
+    chat_turn,
     decode_fold,
     dropin_turns,
     event_loop,
@@ -46,4 +47,5 @@ ROWS: tuple[Row, ...] = (
     _row(10, upstream_receive),
     _row(11, dropin_turns),
     _row(12, group_fetch),
+    _row(13, chat_turn),
 )
