@@ -1,32 +1,31 @@
-"""The example `make demo` runs, against the real gateway and simulator (the README's front door)."""
+"""The examples `make demo` runs, against the real gateway and simulator (the README's front door)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
-from conftest import Service
+import pytest
+from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway, run_simulator
 from procs import REPO_ROOT
+
+from gateway.simulator.tiny_tokenizer import build_tiny_chat_tokenizer
+
+
+def run_example(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def test_agent_loop_example_runs_and_keeps_its_session(gateway: Service) -> None:
     session_id = "example-agent-loop"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "examples/agent_loop.py",
-            "--gateway-url",
-            gateway.url,
-            "--session-id",
-            session_id,
-            "--keep-session",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    result = run_example(
+        "examples/agent_loop.py", "--gateway-url", gateway.url, "--session-id", session_id, "--keep-session"
     )
     assert result.returncode == 0, result.stderr
     assert "[agent] streaming:" in result.stdout and "routed_experts" in result.stdout
@@ -34,3 +33,83 @@ def test_agent_loop_example_runs_and_keeps_its_session(gateway: Service) -> None
     assert view["turns"] == 5  # three model turns with two tool results between them
     assert view["replay"]["routed_experts"] and view["replay"]["top_p"]
     httpx.delete(f"{gateway.url}/v1/sessions/{session_id}")
+
+
+# ---- examples/chat_agent.py: the OpenAI client on a chat session ----------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_chat_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def chat_sim(tokenizer_dir: Path) -> Iterator[Service]:
+    with run_simulator("--tokenizer", str(tokenizer_dir)) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def chat_gateway(chat_sim: Service, tokenizer_dir: Path) -> Iterator[Service]:
+    with run_gateway(chat_sim.url, "--tokenizer", str(tokenizer_dir), "--log-level", "warning") as service:
+        yield service
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_chat_agent_example_runs_a_tool_loop(
+    chat_gateway: Service, chat_sim: Service, tokenizer_dir: Path, stream: bool
+) -> None:
+    from transformers import AutoTokenizer
+
+    session_id = f"example-chat-agent-{'stream' if stream else 'unary'}"
+    args = ["--gateway", chat_gateway.url, "--script-simulator", chat_sim.url, "--session-id", session_id]
+    args += ["--num-layers", str(SIM_LAYERS), "--topk", str(SIM_TOPK), "--fetch-sample", "--keep-session"]
+    scripted_before = httpx.get(f"{chat_sim.url}/sim/stats").json()["scripted"]
+    result = run_example("examples/chat_agent.py", *args, *(["--stream"] if stream else []))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert 'tool call get_weather({"city":"Paris"}) -> {"city": "Paris"' in out
+    assert '"result": 84}' in out  # the calculator ran on the model's arguments
+    assert "[chat] assistant: It is sunny and 21 degrees in Paris" in out
+    assert "rollout_routed_experts" in out and "[chat] done (session kept)" in out
+    assert httpx.get(f"{chat_sim.url}/sim/stats").json()["scripted"] == scripted_before + 3
+
+    view: dict[str, Any] = httpx.get(f"{chat_gateway.url}/v1/sessions/{session_id}", params={"full": "true"}).json()
+    try:
+        assert view["status"] == "completed"
+        assert [t["kind"] for t in view["turn_log"]] == ["model", "tool", "model", "tool", "model"]
+        # The model's tokens are trained (loss mask 1), the rendered tool results are not (0): span by span.
+        expected_mask = [int(t["kind"] == "model") for t in view["turn_log"] for _ in range(t["num_tokens"])]
+        assert view["full"]["loss_mask"] == expected_mask
+        # Routing replay over every token the model was given; top-p replay on every response token.
+        assert view["replay"] == {
+            "routed_experts": True,
+            "routed_experts_rows": view["total_tokens"] - 1,
+            "top_p": True,
+        }
+        assert len(view["full"]["rollout_top_p_token_offsets"]) == view["response_length"] + 1
+        messages = view["chat"]["messages"]
+        assert [m["role"] for m in messages] == [
+            "system",
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+            "tool",
+            "assistant",
+        ]
+        assert [[c["name"] for c in m.get("tool_calls", [])] for m in messages if m["role"] == "assistant"] == [
+            ["get_weather"],
+            ["calculator"],
+            [],
+        ]
+        # Token-in-token-out: the first model span is the scripted tool call, the tool spans hold the tool results.
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        tokens, start, spans = view["full"]["tokens"], view["prompt_length"], []
+        for turn in view["turn_log"]:
+            spans.append(tokenizer.decode(tokens[start : start + turn["num_tokens"]]))
+            start += turn["num_tokens"]
+        assert spans[0].startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}')
+        assert "<tool_response>" in spans[1] and '"temperature_c": 21' in spans[1]
+        assert "<tool_response>" in spans[3] and '"result": 84' in spans[3]
+        assert not any("<tool_response>" in spans[i] for i in (0, 2, 4))
+    finally:
+        httpx.delete(f"{chat_gateway.url}/v1/sessions/{session_id}")
