@@ -10,6 +10,7 @@ decodes routed experts (``pybase64.b64decode(value.encode("ascii"))``, then a fr
 
 from __future__ import annotations
 
+import enum
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -125,3 +126,35 @@ class ReferenceSample:
         if self.rollout_routed_experts is not None:
             out["rollout_routed_experts"] = self.rollout_routed_experts
         return out
+
+
+@dataclass
+class Sample:
+    """A faithful stand-in for slime's ``slime.utils.types.Sample``: the fields the slime drop-in touches."""
+
+    class Status(enum.Enum):
+        PENDING = "pending"
+        COMPLETED = "completed"
+        TRUNCATED = "truncated"
+        ABORTED = "aborted"
+        FAILED = "failed"
+
+    @dataclass
+    class PrefixCacheInfo:
+        cached_tokens: int = 0
+        total_prompt_tokens: int = 0
+
+    prompt: str | list[dict[str, str]] = ""
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    loss_mask: list[int] | None = None
+    weight_versions: list[str] = field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
+    rollout_routed_experts: Any = None
+    rollout_top_p_token_ids: torch.Tensor | None = None
+    rollout_top_p_token_offsets: torch.Tensor | None = None
+    status: Status = Status.PENDING
+    metadata: dict[str, Any] = field(default_factory=dict)
+    session_id: str | None = None
+    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)

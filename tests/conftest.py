@@ -6,6 +6,8 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -48,6 +50,33 @@ def simulator() -> Iterator[Service]:
 @pytest.fixture(scope="session")
 def gateway(simulator: Service) -> Iterator[Service]:
     with run_gateway(simulator.url, "--log-level", "warning") as service:
+        yield service
+
+
+# ---- chat: a tiny real tokenizer, a simulator speaking it, a gateway with the chat routes ---------------------------
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gateway.simulator.tiny_tokenizer import build_tiny_chat_tokenizer
+
+    return build_tiny_chat_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def chat_sim(tokenizer_dir: Path) -> Iterator[Service]:
+    with run_simulator("--tokenizer", str(tokenizer_dir)) as service:
+        yield service
+
+
+@pytest.fixture(scope="session")
+def chat_gateway(chat_sim: Service, tokenizer_dir: Path) -> Iterator[Service]:
+    with run_gateway(chat_sim.url, "--tokenizer", str(tokenizer_dir), "--log-level", "warning") as service:
         yield service
 
 

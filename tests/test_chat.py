@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,11 +24,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway, run_simulator
+from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway
 from safetensors.numpy import load
-from transformers import AutoTokenizer
-
-from gateway.simulator.tiny_tokenizer import build_tiny_chat_tokenizer
 
 TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
 WEATHER_TOOL = {
@@ -45,28 +41,6 @@ SYSTEM = "You are a helpful assistant."
 # What the model writes, exactly as the template renders an assistant message with that content and call.
 CALL_TEXT = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 FINAL_TEXT = "It is sunny in Paris, 21 degrees."
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_chat_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def chat_sim(tokenizer_dir: Path) -> Iterator[Service]:
-    with run_simulator("--tokenizer", str(tokenizer_dir)) as service:
-        yield service
-
-
-@pytest.fixture(scope="module")
-def chat_gateway(chat_sim: Service, tokenizer_dir: Path) -> Iterator[Service]:
-    with run_gateway(chat_sim.url, "--tokenizer", str(tokenizer_dir), "--log-level", "warning") as service:
-        yield service
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------

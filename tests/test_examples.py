@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway, run_simulator
+from conftest import SIM_LAYERS, SIM_TOPK, Service
 from procs import REPO_ROOT
-
-from gateway.simulator.tiny_tokenizer import build_tiny_chat_tokenizer
 
 
 def run_example(*args: str) -> subprocess.CompletedProcess[str]:
@@ -36,23 +33,6 @@ def test_agent_loop_example_runs_and_keeps_its_session(gateway: Service) -> None
 
 
 # ---- examples/chat_agent.py: the OpenAI client on a chat session ----------------------------------------------------
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_chat_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def chat_sim(tokenizer_dir: Path) -> Iterator[Service]:
-    with run_simulator("--tokenizer", str(tokenizer_dir)) as service:
-        yield service
-
-
-@pytest.fixture(scope="module")
-def chat_gateway(chat_sim: Service, tokenizer_dir: Path) -> Iterator[Service]:
-    with run_gateway(chat_sim.url, "--tokenizer", str(tokenizer_dir), "--log-level", "warning") as service:
-        yield service
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_chat_agent_example_runs_a_tool_loop(
     chat_gateway: Service, chat_sim: Service, tokenizer_dir: Path, stream: bool

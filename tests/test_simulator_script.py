@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,9 @@ import numpy as np
 import orjson
 import pybase64
 import pytest
-from procs import free_port, start_process
+from conftest import Service
 
 from gateway.simulator import SimulatorConfig, create_app
-from gateway.simulator.tiny_tokenizer import build_tiny_chat_tokenizer
 
 L, K, E = 4, 2, 8
 PROMPT = list(range(100, 112))
@@ -30,18 +28,6 @@ TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris",
 VOLATILE = {"e2e_latency", "cached_tokens", "cached_tokens_details", "response_sent_to_client_ts"}
 TOKEN_DELAY_MS = 20
 JSON = "application/json"
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_chat_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
 
 
 def _config(**extra: Any) -> SimulatorConfig:
@@ -408,16 +394,8 @@ async def test_unscripted_answers_without_tokenizer_are_unchanged(plain: httpx.A
 # ------------------------------------------------------------------------------------------ the real process
 
 
-@pytest.fixture(scope="module")
-def tokenizer_process(tokenizer_dir: Path) -> Iterator[str]:
-    port = free_port()
-    args = [sys.executable, "-m", "gateway.simulator", "--port", str(port), "--tokenizer", str(tokenizer_dir)]
-    with start_process(args, port) as proc:
-        yield proc.url
-
-
-async def test_tokenizer_flag(tokenizer_process: str, tokenizer: Any) -> None:
-    async with httpx.AsyncClient(base_url=tokenizer_process, timeout=10) as client:
+async def test_tokenizer_flag(chat_sim: Service, tokenizer: Any) -> None:
+    async with httpx.AsyncClient(base_url=chat_sim.url, timeout=10) as client:
         info = (await client.get("/get_model_info")).json()
         assert (info["vocab_size"], info["eos_token_id"]) == (len(tokenizer), tokenizer.eos_token_id)
         await script(client, "cli-", {"text": TOOL_CALL})

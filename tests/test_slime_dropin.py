@@ -8,11 +8,9 @@ deterministic in the input ids and sampling params, so both paths see the same a
 from __future__ import annotations
 
 import asyncio
-import enum
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,6 +21,7 @@ from conftest import SIM_LAYERS, SIM_TOPK, Service
 from procs import free_port
 from slime_reference import ReferenceArgs, ReferenceSample
 
+from bench.reference import Sample
 from slime_client import GatewayClient, NotFoundError, RolloutSample
 from slime_client import slime as dropin
 
@@ -30,37 +29,6 @@ PROMPT = [101, 102, 103, 104, 105]
 TOOL = [950, 951, 952]
 TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
 REFERENCE_ARGS = ReferenceArgs(num_layers=SIM_LAYERS, moe_router_topk=SIM_TOPK)
-
-
-# ---- a faithful stand-in for slime.utils.types.Sample (the fields generate touches) ---------------------------
-@dataclass
-class Sample:
-    class Status(enum.Enum):
-        PENDING = "pending"
-        COMPLETED = "completed"
-        TRUNCATED = "truncated"
-        ABORTED = "aborted"
-        FAILED = "failed"
-
-    @dataclass
-    class PrefixCacheInfo:
-        cached_tokens: int = 0
-        total_prompt_tokens: int = 0
-
-    prompt: str | list[dict[str, str]] = ""
-    tokens: list[int] = field(default_factory=list)
-    response: str = ""
-    response_length: int = 0
-    loss_mask: list[int] | None = None
-    weight_versions: list[str] = field(default_factory=list)
-    rollout_log_probs: list[float] | None = None
-    rollout_routed_experts: Any = None
-    rollout_top_p_token_ids: torch.Tensor | None = None
-    rollout_top_p_token_offsets: torch.Tensor | None = None
-    status: Status = Status.PENDING
-    metadata: dict[str, Any] = field(default_factory=dict)
-    session_id: str | None = None
-    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
 
 
 def append_tool_tokens(sample: Sample, token_ids: list[int], text: str) -> None:

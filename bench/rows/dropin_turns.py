@@ -11,18 +11,15 @@ Trainer CPU (``time.process_time``) of each call; the medians over the rounds, p
 from __future__ import annotations
 
 import asyncio
-import enum
 import statistics
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
 
 import httpx
 import torch
 
 from bench.core import Check, Context, RowResult, log, ratio
-from bench.reference import ReferenceSample
+from bench.reference import ReferenceSample, Sample
 from bench.workload import TOP_P_FLAG, generate_request, prompt_ids
 from slime_client import slime as dropin
 
@@ -30,37 +27,6 @@ NAME = "drop-in per turn"
 HTTP_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
 GOAL_RATIO = 20.0
 GOAL_FLAT = 1.2
-
-
-@dataclass
-class Sample:
-    """The fields of slime's ``Sample`` the drop-in touches (slime.utils.types)."""
-
-    class Status(enum.Enum):
-        PENDING = "pending"
-        COMPLETED = "completed"
-        TRUNCATED = "truncated"
-        ABORTED = "aborted"
-        FAILED = "failed"
-
-    @dataclass
-    class PrefixCacheInfo:
-        cached_tokens: int = 0
-        total_prompt_tokens: int = 0
-
-    tokens: list[int] = field(default_factory=list)
-    prompt: str = ""
-    response: str = ""
-    response_length: int = 0
-    loss_mask: list[int] | None = None
-    weight_versions: list[str] = field(default_factory=list)
-    rollout_log_probs: list[float] | None = None
-    rollout_routed_experts: Any = None
-    rollout_top_p_token_ids: torch.Tensor | None = None
-    rollout_top_p_token_offsets: torch.Tensor | None = None
-    status: Status = Status.PENDING
-    session_id: str | None = None
-    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
 
 
 async def one_round(ctx: Context, http: httpx.AsyncClient) -> tuple[list[float], list[float]]:

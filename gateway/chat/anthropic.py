@@ -12,38 +12,39 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from gateway.chat.api import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    ApiModel,
+    ChatRequestError,
+    Number,
+    check_history,
+    error_status,
+    validation_error,
+)
 from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, Tool, ToolCall
-from gateway.chat.openai import check_history
 from gateway.chat.service import ChatResult, StreamEvent
 from gateway.errors import GatewayError
 
 if TYPE_CHECKING:
     from gateway.turns import StreamTurn
 
-MAX_MESSAGES = 4096
-MAX_TOOLS = 256
-Number = StrictInt | StrictFloat
 
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class TextBlock(_Model):
+class TextBlock(ApiModel):
     type: Literal["text"]
     text: StrictStr
 
 
-class ToolUseBlock(_Model):
+class ToolUseBlock(ApiModel):
     type: Literal["tool_use"]
     id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
     name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Model):
+class ToolResultBlock(ApiModel):
     type: Literal["tool_result"]
     tool_use_id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
     content: StrictStr | list[TextBlock] = ""
@@ -53,23 +54,23 @@ class ToolResultBlock(_Model):
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
-class MessageIn(_Model):
+class MessageIn(ApiModel):
     role: Literal["user", "assistant"]
     content: StrictStr | Annotated[list[Block], Field(max_length=1024)]
 
 
-class ToolIn(_Model):
+class ToolIn(ApiModel):
     name: Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:-]+$")]
     description: StrictStr = ""
     input_schema: dict[str, Any] = Field(default_factory=dict)
 
 
-class ToolChoiceIn(_Model):
+class ToolChoiceIn(ApiModel):
     type: Literal["auto", "any", "tool", "none"]
     name: StrictStr | None = None
 
 
-class MessagesRequest(_Model):
+class MessagesRequest(ApiModel):
     max_tokens: Annotated[StrictInt, Field(ge=1)]
     messages: Annotated[list[MessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
     model: StrictStr | None = None
@@ -84,38 +85,28 @@ class MessagesRequest(_Model):
     thinking: dict[str, Any] | None = None
 
 
-class AnthropicRequestError(GatewayError):
-    status_code = 400
-    error_type = "invalid_request_error"
-
-
 def parse_request(raw: bytes) -> ChatRequest:
     try:
         body = MessagesRequest.model_validate_json(raw or b"{}")
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise AnthropicRequestError(f"{where}: {first.get('msg')}") from None
+        raise validation_error(exc) from None
     return to_chat_request(body)
 
 
 def to_chat_request(body: MessagesRequest) -> ChatRequest:
     if body.thinking is not None and body.thinking.get("type") != "disabled":
-        raise AnthropicRequestError("extended thinking is not supported")
+        raise ChatRequestError("extended thinking is not supported")
     tools = tuple(Tool(t.name, t.description, t.input_schema) for t in body.tools or ())
     names = {t.name for t in tools}
     if len(names) != len(tools):
-        raise AnthropicRequestError("tools: names must be unique")
+        raise ChatRequestError("tools: names must be unique")
     messages: list[ChatMessage] = []
     if body.system:
         messages.append(ChatMessage("system", _text(body.system)))
     for i, message in enumerate(body.messages):
         messages.extend(_messages(message, i))
     history = tuple(messages)
-    try:
-        check_history(history)
-    except GatewayError as exc:
-        raise AnthropicRequestError(exc.message) from None
+    check_history(history)
     params: dict[str, Any] = {"max_new_tokens": body.max_tokens}
     for key, value in (
         ("temperature", body.temperature),
@@ -147,11 +138,11 @@ def _messages(message: MessageIn, i: int) -> list[ChatMessage]:
     results = [b for b in message.content if isinstance(b, ToolResultBlock)]
     if message.role == "assistant":
         if results:
-            raise AnthropicRequestError(f"messages.{i}: tool_result blocks belong in user messages")
+            raise ChatRequestError(f"messages.{i}: tool_result blocks belong in user messages")
         calls = tuple(ToolCall(b.id, b.name, orjson.dumps(b.input).decode()) for b in uses)
         return [ChatMessage("assistant", "\n".join(texts), calls)]
     if uses:
-        raise AnthropicRequestError(f"messages.{i}: tool_use blocks belong in assistant messages")
+        raise ChatRequestError(f"messages.{i}: tool_use blocks belong in assistant messages")
     out = [ChatMessage("tool", _text(b.content), tool_call_id=b.tool_use_id) for b in results]
     if texts or not results:
         out.append(ChatMessage("user", "\n".join(texts)))
@@ -162,10 +153,10 @@ def _tool_choice(choice: ToolChoiceIn | None, names: set[str]) -> str:
     if choice is None:
         return "auto" if names else "none"
     if choice.type != "none" and not names:
-        raise AnthropicRequestError(f"tool_choice {choice.type!r} needs tools")
+        raise ChatRequestError(f"tool_choice {choice.type!r} needs tools")
     if choice.type == "tool":
         if choice.name not in names:
-            raise AnthropicRequestError(f"tool_choice names an unknown tool {choice.name!r}")
+            raise ChatRequestError(f"tool_choice names an unknown tool {choice.name!r}")
         return choice.name
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
@@ -204,7 +195,7 @@ def usage_json(reply: AssistantReply) -> dict[str, Any]:
     }
 
 
-def message_json(result: ChatResult, model: str) -> dict[str, Any]:
+def answer_json(result: ChatResult, model: str) -> dict[str, Any]:
     reason, sequence = stop_reason(result)
     return {
         "id": f"msg_{result.reply.rid}",
@@ -217,6 +208,10 @@ def message_json(result: ChatResult, model: str) -> dict[str, Any]:
         "usage": usage_json(result.reply),
         "gateway": result.gateway_json(),
     }
+
+
+def stream_writer(request: ChatRequest, model: str) -> EventWriter:
+    return EventWriter(model)
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
@@ -314,10 +309,6 @@ def error_json(error: dict[str, Any], status: int = 500) -> dict[str, Any]:
     gateway_type = str(error.get("type", "internal_error"))
     kind = gateway_type if gateway_type == "invalid_request_error" else error_type(status)
     return {"type": "error", "error": {"type": kind, "message": error.get("message", ""), "gateway_type": gateway_type}}
-
-
-def error_status(exc: GatewayError) -> int:
-    return 400 if exc.status_code == 422 else exc.status_code
 
 
 def error_body(exc: GatewayError) -> dict[str, Any]:

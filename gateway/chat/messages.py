@@ -93,6 +93,7 @@ class ChatRequest:
     tool_choice: ToolChoice = "auto"
     sampling_params: dict[str, Any] = field(default_factory=dict)  # SGLang's names (max_new_tokens, stop, ...)
     stream: bool = False
+    stream_usage: bool = False  # OpenAI's stream_options.include_usage: a last chunk with the usage
     model: str | None = None
 
     @property

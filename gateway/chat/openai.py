@@ -12,8 +12,18 @@ import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from gateway.chat.api import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    ApiModel,
+    ChatRequestError,
+    Number,
+    check_history,
+    error_status,
+    validation_error,
+)
 from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, Tool, ToolCall
 from gateway.chat.service import ChatResult, StreamEvent
 from gateway.errors import GatewayError
@@ -21,16 +31,8 @@ from gateway.errors import GatewayError
 if TYPE_CHECKING:
     from gateway.turns import StreamTurn
 
-MAX_MESSAGES = 4096
-MAX_TOOLS = 256
-Number = StrictInt | StrictFloat
 
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class TextPart(_Model):
+class TextPart(ApiModel):
     type: Literal["text"]
     text: StrictStr
 
@@ -38,18 +40,18 @@ class TextPart(_Model):
 Content = StrictStr | Annotated[list[TextPart], Field(max_length=1024)] | None
 
 
-class FunctionCall(_Model):
+class FunctionCall(ApiModel):
     name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
     arguments: StrictStr
 
 
-class ToolCallIn(_Model):
+class ToolCallIn(ApiModel):
     id: Annotated[StrictStr, Field(max_length=256)]
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class MessageIn(_Model):
+class MessageIn(ApiModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
     name: Annotated[StrictStr, Field(max_length=256)] | None = None
@@ -57,27 +59,27 @@ class MessageIn(_Model):
     tool_call_id: Annotated[StrictStr, Field(max_length=256)] | None = None
 
 
-class FunctionDef(_Model):
+class FunctionDef(ApiModel):
     name: Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:-]+$")]
     description: StrictStr = ""
     parameters: dict[str, Any] | None = None
 
 
-class ToolIn(_Model):
+class ToolIn(ApiModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedToolChoice(_Model):
+class NamedToolChoice(ApiModel):
     type: Literal["function"]
     function: FunctionCall | dict[str, Any]
 
 
-class StreamOptions(_Model):
+class StreamOptions(ApiModel):
     include_usage: StrictBool = False
 
 
-class ChatCompletionRequest(_Model):
+class ChatCompletionRequest(ApiModel):
     messages: Annotated[list[MessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
     model: StrictStr | None = None
     tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
@@ -98,37 +100,28 @@ class ChatCompletionRequest(_Model):
     logprobs: StrictBool | None = None
 
 
-class OpenAIRequestError(GatewayError):
-    """A request the OpenAI API would refuse: 400 ``invalid_request_error`` with the offending ``param``."""
-
-    status_code = 400
-    error_type = "invalid_request_error"
-
-
-def parse_request(raw: bytes) -> tuple[ChatRequest, ChatCompletionRequest]:
+def parse_request(raw: bytes) -> ChatRequest:
     try:
         body = ChatCompletionRequest.model_validate_json(raw or b"{}")
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise OpenAIRequestError(f"invalid request: {where}: {first.get('msg')}", param=where or None) from None
-    return to_chat_request(body), body
+        raise validation_error(exc) from None
+    return to_chat_request(body)
 
 
 def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
     if body.n not in (None, 1):
-        raise OpenAIRequestError("only n=1 is supported: a session holds one trajectory per turn", param="n")
+        raise ChatRequestError("only n=1 is supported: a session holds one trajectory per turn", param="n")
     if body.response_format is not None and body.response_format.get("type") not in (None, "text"):
-        raise OpenAIRequestError("structured response_format is not supported", param="response_format")
+        raise ChatRequestError("structured response_format is not supported", param="response_format")
     if body.logprobs:
-        raise OpenAIRequestError(
+        raise ChatRequestError(
             "logprobs are not returned here: the session's sample holds them (GET /v1/sessions/{id}/sample)",
             param="logprobs",
         )
     tools = tuple(_tool(t) for t in body.tools or ())
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
-        raise OpenAIRequestError("tool names must be unique", param="tools")
+        raise ChatRequestError("tool names must be unique", param="tools")
     messages = tuple(_message(m, i) for i, m in enumerate(body.messages))
     check_history(messages)
     return ChatRequest(
@@ -137,27 +130,9 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
         tool_choice=_tool_choice(body, set(names)),
         sampling_params=_sampling_params(body),
         stream=body.stream,
+        stream_usage=body.stream_options is not None and body.stream_options.include_usage,
         model=body.model,
     )
-
-
-def check_history(messages: tuple[ChatMessage, ...]) -> None:
-    """What every chat API refuses: a tool result for no earlier call, and a history the model would continue
-    rather than answer (its last message its own)."""
-    calls: set[str] = set()
-    for i, message in enumerate(messages):
-        calls.update(c.id for c in message.tool_calls)
-        if message.role == "tool" and message.tool_call_id not in calls:
-            raise OpenAIRequestError(
-                f"messages[{i}]: tool_call_id {message.tool_call_id!r} answers no earlier tool call",
-                param=f"messages.{i}.tool_call_id",
-            )
-    if messages[-1].role == "assistant":
-        raise OpenAIRequestError(
-            "the last message is the assistant's: continuing a reply (prefill) is not supported, end with a user or "
-            "tool message",
-            param="messages",
-        )
 
 
 def _text(content: Content) -> str:
@@ -171,9 +146,9 @@ def _text(content: Content) -> str:
 def _message(m: MessageIn, i: int) -> ChatMessage:
     role = "system" if m.role == "developer" else m.role
     if role == "tool" and not m.tool_call_id:
-        raise OpenAIRequestError(f"messages[{i}]: a tool message needs tool_call_id", param=f"messages.{i}")
+        raise ChatRequestError(f"messages[{i}]: a tool message needs tool_call_id", param=f"messages.{i}")
     if m.tool_calls and role != "assistant":
-        raise OpenAIRequestError(f"messages[{i}]: only assistant messages carry tool_calls", param=f"messages.{i}")
+        raise ChatRequestError(f"messages[{i}]: only assistant messages carry tool_calls", param=f"messages.{i}")
     calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
     return ChatMessage(
         role=role,  # type: ignore[arg-type]
@@ -194,11 +169,11 @@ def _tool_choice(body: ChatCompletionRequest, names: set[str]) -> str:
         return "auto" if names else "none"
     if isinstance(choice, str):
         if choice != "none" and not names:
-            raise OpenAIRequestError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+            raise ChatRequestError(f"tool_choice {choice!r} needs tools", param="tool_choice")
         return choice
     name = choice.function.name if isinstance(choice.function, FunctionCall) else choice.function.get("name")
     if not isinstance(name, str) or name not in names:
-        raise OpenAIRequestError(f"tool_choice names an unknown tool {name!r}", param="tool_choice")
+        raise ChatRequestError(f"tool_choice names an unknown tool {name!r}", param="tool_choice")
     return name
 
 
@@ -248,7 +223,7 @@ def usage_json(reply: AssistantReply) -> dict[str, Any]:
     }
 
 
-def completion_json(result: ChatResult, model: str) -> dict[str, Any]:
+def answer_json(result: ChatResult, model: str) -> dict[str, Any]:
     reply = result.reply
     return {
         "id": completion_id(reply),
@@ -266,6 +241,10 @@ def completion_json(result: ChatResult, model: str) -> dict[str, Any]:
         "usage": usage_json(reply),
         "gateway": result.gateway_json(),
     }
+
+
+def stream_writer(request: ChatRequest, model: str) -> ChunkWriter:
+    return ChunkWriter(model, request.stream_usage)
 
 
 class ChunkWriter:
@@ -339,11 +318,6 @@ def openai_error_json(error: dict[str, Any], status: int = 500) -> dict[str, Any
         "param": error.get("param"),
         "code": None if gateway_type == "invalid_request_error" else gateway_type,
     }
-
-
-def error_status(exc: GatewayError) -> int:
-    """OpenAI answers a bad request 400, never 422."""
-    return 400 if exc.status_code == 422 else exc.status_code
 
 
 def error_body(exc: GatewayError) -> dict[str, Any]:
