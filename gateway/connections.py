@@ -27,7 +27,7 @@ import asyncio
 import http
 import logging
 import resource
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, ClassVar
 
 import orjson
@@ -41,6 +41,10 @@ log = logging.getLogger("gateway.connections")
 # worker threads, and a burst of accepted connections whose evictions have not been processed yet.
 SPARE_FDS = 256
 MIN_CLIENT_CONNECTIONS = 16
+# Connections whose head deadline passed are closed this many per event-loop pass: a flood opened in one burst has
+# its deadlines pass together, and closing ten thousand connections (each a write and a close) in one pass held the
+# loop for 100-200 ms, /health included.
+CLOSE_BATCH = 128
 
 
 class ConnectionGuard:
@@ -53,6 +57,8 @@ class ConnectionGuard:
         self._idle: OrderedDict[GuardedHttpToolsProtocol, None] = OrderedDict()
         self._busy: set[GuardedHttpToolsProtocol] = set()
         self.closed = {"header_timeout": 0, "evicted": 0, "refused": 0}
+        self._expired: deque[GuardedHttpToolsProtocol] = deque()
+        self._closer: asyncio.Task[None] | None = None
 
     @property
     def open(self) -> int:
@@ -71,6 +77,9 @@ class ConnectionGuard:
         self._idle[connection] = None
         return True
 
+    def is_busy(self, connection: GuardedHttpToolsProtocol) -> bool:
+        return connection in self._busy
+
     def busy(self, connection: GuardedHttpToolsProtocol) -> None:
         if connection in self._idle:  # not when a pipelined request follows one in flight: busy already
             del self._idle[connection]
@@ -84,6 +93,18 @@ class ConnectionGuard:
     def forget(self, connection: GuardedHttpToolsProtocol) -> None:
         self._idle.pop(connection, None)
         self._busy.discard(connection)
+
+    def head_deadline_passed(self, connection: GuardedHttpToolsProtocol) -> None:
+        """Queue ``connection`` to be closed for its late head; the queue is worked ``CLOSE_BATCH`` per loop pass."""
+        self._expired.append(connection)
+        if self._closer is None or self._closer.done():
+            self._closer = asyncio.get_running_loop().create_task(self._close_expired(), name="close-late-heads")
+
+    async def _close_expired(self) -> None:
+        while self._expired:
+            for _ in range(min(CLOSE_BATCH, len(self._expired))):
+                self._expired.popleft().close_late_head()
+            await asyncio.sleep(0)
 
     def protocol_class(self) -> type[GuardedHttpToolsProtocol]:
         """The protocol class for ``uvicorn.run(http=...)``, bound to this guard."""
@@ -155,6 +176,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _arm_head_deadline(self) -> None:
         self._head_deadline = self.loop.call_later(self.guard.header_timeout_s, self._head_deadline_passed)
 
+    def _head_deadline_passed(self) -> None:
+        self._head_deadline = None
+        self.guard.head_deadline_passed(self)
+
     def _disarm_head_deadline(self) -> None:
         if self._head_deadline is not None:
             self._head_deadline.cancel()
@@ -165,9 +190,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._drop_deadline.cancel()
             self._drop_deadline = None
 
-    def _head_deadline_passed(self) -> None:
-        self._head_deadline = None
-        if self.transport.is_closing():
+    def close_late_head(self) -> None:
+        """The head deadline passed (``ConnectionGuard`` calls this in batches): close, unless the head completed
+        meanwhile or the connection is gone."""
+        if self.transport.is_closing() or self._head_deadline is not None or self.guard.is_busy(self):
             return
         self.guard.closed["header_timeout"] += 1
         if not self._head_started:
