@@ -8,17 +8,17 @@ STAMP := $(VENV)/.installed-stamp
 # CUDA build. Only the client SDK and its tests use torch; the gateway itself needs none.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test lint format demo bench clean routers test-sglang
+.PHONY: install test lint format demo bench clean routers redis test-sglang
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e '.[dev,chat]'
+	$(PY) -m pip install --quiet -e '.[dev,chat,redis]'
 	@touch $(STAMP)
 
 install: $(STAMP)
 
-test: install routers
+test: install routers redis
 	$(PY) -m pytest
 
 # The router tier of `make test`: the real SGLang routers from the package registry, each in its own venv (no
@@ -36,6 +36,11 @@ $(ROUTERS_DIR)/%/.installed-stamp: Makefile
 	else echo "warning: could not install $(ROUTER_SPEC_$*); router tests will skip (see $(ROUTERS_DIR)/$*/install.log)" >&2; fi
 
 routers: $(ROUTER_STAMPS)
+
+# A real redis-server for the Redis session store's tests, unpacked into .redis/ (scripts/redis_server.sh: one on
+# PATH, or Debian's package without a system install). When none can be had, those tests skip and say why.
+redis:
+	@bash scripts/redis_server.sh .redis
 
 # Opt-in: a real SGLang engine on the CPU serving a tiny MoE (scripts/real_sglang/), installed into SGLANG_DIR;
 # ~3 min and ~3 GB on the first run, seconds afterwards (setup.sh is idempotent).
@@ -79,7 +84,7 @@ DOCKER_BUILD_FLAGS ?=
 image: install
 	@echo "==> image: building wheels into docker/.wheels with $$($(PY) -V)"
 	@mkdir -p docker/.wheels && rm -f docker/.wheels/slime_gateway-*.whl
-	$(PY) -m pip wheel --quiet --wheel-dir docker/.wheels '.[chat]'
+	$(PY) -m pip wheel --quiet --wheel-dir docker/.wheels '.[chat,redis]'
 	@echo "==> image: docker build $(IMAGE) from base $(BASE_IMAGE)"
 	DOCKER_BUILDKIT=0 docker build --network host --build-arg BASE_IMAGE=$(BASE_IMAGE) $(DOCKER_BUILD_FLAGS) \
 	  -f docker/Dockerfile -t $(IMAGE) docker

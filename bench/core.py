@@ -22,11 +22,12 @@ def log(message: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Check:
-    """One goal of a row: a measured number compared with its bound."""
+    """One goal of a row: a measured number compared with its bound (``None``: a number reported without a goal,
+    which passes once it is measured)."""
 
     label: str  # what the number is, e.g. "vs reference"
     value: float
-    bound: float
+    bound: float | None
     higher_is_better: bool
     unit: str = "x"  # "x" for ratios; "ms", "us" for absolute values
 
@@ -34,12 +35,16 @@ class Check:
     def passed(self) -> bool:
         if not math.isfinite(self.value):
             return False
+        if self.bound is None:
+            return True
         return self.value >= self.bound if self.higher_is_better else self.value <= self.bound
 
     def render(self) -> str:
         return f"{self.label} {format_value(self.value, self.unit)}"
 
     def render_goal(self) -> str:
+        if self.bound is None:
+            return f"{self.label}: reported, no goal"
         return f"{self.label} {'>=' if self.higher_is_better else '<='} {format_value(self.bound, self.unit)}"
 
 

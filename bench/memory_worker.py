@@ -8,6 +8,7 @@ set (``/proc/self/statm``) per stored token next to the compact payload's bytes 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import os
 import sys
@@ -57,14 +58,15 @@ def main(argv: list[str] | None = None) -> None:
         return sample
 
     store = SessionStore(max_sessions=args.sessions + 1)
-    warm = store.create(new_sample(0), session_id="warm-up")  # first-use costs (imports, arenas) not counted
+    run = asyncio.new_event_loop().run_until_complete  # the store's API is async (the in-memory one never waits)
+    warm = run(store.create(new_sample(0), session_id="warm-up"))  # first-use costs (imports, arenas) not counted
     payload_bytes = len(sample_payload(warm).encode())
-    store.delete("warm-up")
+    run(store.delete("warm-up"))
     del warm
     gc.collect()
     before = resident_bytes()
     for i in range(args.sessions):
-        store.create(new_sample(i), session_id=f"s{i}")
+        run(store.create(new_sample(i), session_id=f"s{i}"))
         if (i + 1) % max(1, args.sessions // 5) == 0:
             print(f"memory worker: {i + 1}/{args.sessions} sessions", file=sys.stderr, flush=True)
     gc.collect()

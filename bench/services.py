@@ -1,4 +1,5 @@
-"""The server processes the HTTP rows talk to: one SGLang simulator and gateways in front of it, on 127.0.0.1.
+"""The server processes the HTTP rows talk to: one SGLang simulator and gateways in front of it, on 127.0.0.1 (and,
+for the Redis store's rows, one redis-server that those gateways share).
 
 Started lazily (a run of only the in-process rows starts nothing), shared by the rows that need them, and stopped
 at the end of the run. Each process logs to a temporary file that is shown if it fails to start.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,7 +18,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 
@@ -26,6 +28,8 @@ from bench.workload import MoE, simulator_args
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
+# `make redis` (scripts/redis_server.sh) unpacks a real redis-server here; one on PATH does too.
+REDIS_SERVER = REPO_ROOT / ".redis" / "bin" / "redis-server"
 
 
 def free_port() -> int:
@@ -60,6 +64,19 @@ class ServerProcess:
         self._log.flush()
         self._log.seek(0)
         return self._log.read().decode(errors="replace")
+
+    def cpu_seconds(self) -> float:
+        """CPU time of all the process's threads (``/proc/<pid>/task/*/schedstat``: run time in nanoseconds, not
+        10 ms ticks), in seconds. A thread that ended since the last call takes its time with it: only the
+        long-lived ones (an event loop, a decode pool, redis-server's main thread) are counted reliably."""
+        total = 0
+        for tid in os.listdir(f"/proc/{self.pid}/task"):
+            with (
+                contextlib.suppress(FileNotFoundError, ProcessLookupError),
+                open(f"/proc/{self.pid}/task/{tid}/schedstat") as stat,
+            ):
+                total += int(stat.read().split()[0])
+        return total / 1e9
 
     def set_nice(self, nice: int) -> None:
         """Every thread's CPU priority (Linux: a thread's nice value is its own; new threads inherit it)."""
@@ -106,9 +123,70 @@ def start_server(name: str, args: Sequence[str], env: Mapping[str, str] | None =
 
 
 @dataclass
+class RedisServer(ServerProcess):
+    """A redis-server on 127.0.0.1, in memory only (no snapshots, no append-only file)."""
+
+    _client: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def client(self) -> Any:
+        """A synchronous redis client (``redis.Redis``) for the bench's own reads (``INFO``), made once."""
+        if self._client is None:
+            import redis  # the gateway's redis extra: only the Redis rows need it
+
+            self._client = redis.Redis.from_url(self.url, socket_timeout=5.0)
+        return self._client
+
+    def info(self, section: str) -> dict[str, Any]:
+        return dict(self.client.info(section))
+
+    def stop(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+        super().stop()
+
+
+def redis_server_binary() -> str:
+    if REDIS_SERVER.exists():
+        return str(REDIS_SERVER)
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError(f"no redis-server: `make redis` puts one in {REDIS_SERVER.parent} (scripts/redis_server.sh)")
+    return found
+
+
+def start_redis(name: str) -> RedisServer:
+    """Start a redis-server on a free loopback port, without persistence, and wait until it answers ``PING``."""
+    from redis.exceptions import RedisError
+
+    port = free_port()
+    output = tempfile.TemporaryFile()  # noqa: SIM115 (owned by the RedisServer, closed in stop())
+    args = ["--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]
+    proc = subprocess.Popen(  # the wrapper of scripts/redis_server.sh execs the server: the same pid
+        [redis_server_binary(), *args], cwd=REPO_ROOT, stdout=output, stderr=subprocess.STDOUT
+    )
+    server = RedisServer(name, proc, port, output)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if server.client.ping():
+                return server
+        except (RedisError, OSError):  # refused until it listens
+            time.sleep(0.05)
+    text = server.output()
+    server.stop()
+    raise RuntimeError(f"{name} did not start (exit code {proc.poll()}):\n{text}")
+
+
+@dataclass
 class Services:
     """Lazily started processes: ``services.simulator``, ``services.gateway``, ``services.gateway_full_routing``,
-    ``services.chat_gateway``."""
+    ``services.chat_gateway``, ``services.redis`` and ``services.redis_gateway(name)``."""
 
     moe: MoE
     stream_chunk_tokens: int = 1
@@ -155,9 +233,32 @@ class Services:
         """Another gateway before the same simulator, for a row that needs a process of its own (its memory)."""
         return self._gateway(name, incremental=True)
 
-    def _gateway(self, name: str, *, incremental: bool, tokenizer: Path | None = None) -> ServerProcess:
+    @property
+    def redis(self) -> RedisServer:
+        """One redis-server for every gateway on the Redis store (``redis_gateway``)."""
+        if "redis" not in self._running:
+            log("starting redis-server")
+            self._running["redis"] = start_redis("redis-server")
+        server = self._running["redis"]
+        assert isinstance(server, RedisServer)
+        return server
+
+    def redis_gateway(self, name: str) -> ServerProcess:
+        """A gateway as deployed, on the Redis store (``GATEWAY_STORE`` = ``services.redis``): the gateways that
+        this makes share their sessions, as replicas behind a load balancer do."""
+        store = {"GATEWAY_STORE": self.redis.url}
+        return self._gateway(name, incremental=True, env=store)
+
+    def _gateway(
+        self,
+        name: str,
+        *,
+        incremental: bool,
+        tokenizer: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ServerProcess:
         upstream = self.simulator.url
-        env = {"GATEWAY_INCREMENTAL_ROUTING": "true" if incremental else "false"}
+        env = {"GATEWAY_INCREMENTAL_ROUTING": "true" if incremental else "false", **(env or {})}
         args = ["-m", "gateway", "--upstream-url", upstream, "--log-level", "warning"]
         if tokenizer is not None:
             args += ["--tokenizer", str(tokenizer)]

@@ -151,6 +151,32 @@ class ChatTurnShape:
 
 
 @dataclass(frozen=True, slots=True)
+class RedisTurnShape:
+    """Row 14: the big MoE turn on the Redis store vs the in-memory one: a session on a ``prompt_tokens`` prompt, a
+    first model turn of ``response_tokens``, then ``tool_tokens`` appended and a second model turn of
+    ``second_response_tokens`` (what it writes is the new bytes only, not the session's)."""
+
+    prompt_tokens: int = 2_048
+    response_tokens: int = 8_192
+    tool_tokens: int = 256
+    second_response_tokens: int = 1_024
+    rounds: int = 12
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaShape:
+    """Row 15: ``sessions`` concurrent agent loops (create, generate, append, generate, fetch the sample, delete),
+    ``loops`` each per measurement, against one gateway replica or two sharing one Redis."""
+
+    sessions: int = 16
+    loops: int = 3
+    prompt_tokens: int = 2_048
+    turn_tokens: int = 1_024
+    tool_tokens: int = 128
+    rounds: int = 5
+
+
+@dataclass(frozen=True, slots=True)
 class Suite:
     """Every size the rows use. ``FULL`` is the realistic shape; ``QUICK`` keeps the smoke test fast."""
 
@@ -168,6 +194,8 @@ class Suite:
     dropin: DropinShape
     group: GroupShape
     chat_turn: ChatTurnShape
+    redis_turn: RedisTurnShape
+    replicas: ReplicaShape
 
     @property
     def moe(self) -> MoE:
@@ -189,6 +217,8 @@ FULL = Suite(
     dropin=DropinShape(),
     group=GroupShape(),
     chat_turn=ChatTurnShape(),
+    redis_turn=RedisTurnShape(),
+    replicas=ReplicaShape(),
 )
 
 QUICK = Suite(
@@ -206,6 +236,10 @@ QUICK = Suite(
     dropin=DropinShape(prompt_tokens=128, turns=4, turn_tokens=32, rounds=1),
     group=GroupShape(samples=4, steps=2),
     chat_turn=ChatTurnShape(prompt_tokens=256, response_tokens=1_024, followup_tokens=32, rounds=2),
+    redis_turn=RedisTurnShape(
+        prompt_tokens=256, response_tokens=1_024, tool_tokens=32, second_response_tokens=128, rounds=2
+    ),
+    replicas=ReplicaShape(sessions=4, loops=1, prompt_tokens=128, turn_tokens=128, tool_tokens=16, rounds=1),
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -42,6 +43,7 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        instance_id = uuid.uuid4().hex
         state = GatewayState(
             settings=settings,
             upstream=Upstream(
@@ -54,18 +56,16 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
                 metrics=metrics,
                 api_key=settings.upstream_key,
             ),
-            store=SessionStore(
-                settings.max_sessions,
-                max_session_tokens=settings.max_session_tokens,
-                max_stored_bytes=max_stored_bytes,
-            ),
+            store=make_store(settings, max_stored_bytes, instance_id),
             cpu_pool=ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="gateway-decode"),
             metrics=metrics,
+            instance_id=instance_id,
         )
+        await state.store.start()
         if settings.tokenizer is not None:
             state.chat = await asyncio.to_thread(load_chat, settings)
         metrics.track_store(
-            sessions=lambda: len(state.store),
+            sessions=lambda: state.store.count,
             running=lambda: state.store.active,
             stored=lambda: state.store.stored_bytes,
         )
@@ -109,6 +109,26 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
     return app
 
 
+def make_store(settings: Settings, max_stored_bytes: int | None, instance_id: str) -> SessionStore:
+    """The session store ``GATEWAY_STORE`` names: this process's memory, or Redis."""
+    if settings.store == "memory":
+        return SessionStore(
+            settings.max_sessions, max_session_tokens=settings.max_session_tokens, max_stored_bytes=max_stored_bytes
+        )
+    from gateway.redis_store import RedisSessionStore  # the redis package only where it is used
+
+    return RedisSessionStore(
+        settings.store,
+        prefix=settings.redis_prefix,
+        lease_s=settings.redis_lease_s,
+        instance_id=instance_id,
+        max_sessions=settings.max_sessions,
+        idle_ttl_s=settings.session_idle_ttl_s,
+        max_session_tokens=settings.max_session_tokens,
+        max_stored_bytes=max_stored_bytes,
+    )
+
+
 # transformers' default model_max_length when a tokenizer states none (1e30): not a context length.
 _NO_STATED_CONTEXT = 10**12
 
@@ -135,7 +155,7 @@ async def _expire_idle_sessions(state: GatewayState) -> None:
         return
     while True:
         await asyncio.sleep(min(60.0, ttl / 4))
-        expired = state.store.expire_idle(ttl)
+        expired = await state.store.expire_idle(ttl)
         if expired:
             log.info("expired %d sessions idle for more than %.0fs", len(expired), ttl)
 

@@ -6,6 +6,8 @@ int; this keeps the session state in one contiguous buffer per field, like ``std
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 import numpy.typing as npt
 
@@ -18,11 +20,15 @@ MIN_GROWTH_ITEMS = 64
 class GrowableArray:
     """A 1-D (or rows-of-fixed-shape) array that grows at the end."""
 
-    __slots__ = ("_data", "_len")
+    __slots__ = ("_data", "_len", "generation")
 
     def __init__(self, dtype: npt.DTypeLike, row_shape: tuple[int, ...] = (), capacity: int = 0) -> None:
         self._data = np.empty((capacity, *row_shape), dtype=dtype)
         self._len = 0
+        # Changes whenever items already there change (a cut, a replaced tail, a wider dtype), and differs between
+        # arrays: while it stays the same, the items only grew at the end, so a persistent store appends only the
+        # new ones (``gateway.redis_store``).
+        self.generation = secrets.randbits(62)
 
     @classmethod
     def from_array(cls, values: np.ndarray, dtype: npt.DTypeLike | None = None) -> GrowableArray:
@@ -91,6 +97,7 @@ class GrowableArray:
         if not 0 <= keep <= self._len:
             raise ValueError(f"cannot keep {keep} of {self._len} items")
         if keep < self._len:
+            self.generation += 1
             fresh = np.empty((keep + len(values), *self._data.shape[1:]), dtype=self._data.dtype)
             fresh[:keep] = self._data[:keep]
             self._data, self._len = fresh, keep
@@ -101,6 +108,8 @@ class GrowableArray:
         out earlier stay valid snapshots (as in ``replace_tail``)."""
         if not 0 <= keep <= self._len:
             raise ValueError(f"cannot keep {keep} of {self._len} items")
+        if keep < self._len:
+            self.generation += 1
         fresh = np.empty_like(self._data)
         fresh[:keep] = self._data[:keep]
         self._data, self._len = fresh, keep
@@ -108,6 +117,7 @@ class GrowableArray:
     def widen(self, dtype: npt.DTypeLike) -> None:
         """Switch to a wider dtype (e.g. uint8 -> uint16 routing ids) keeping the values."""
         self._data = self._data.astype(dtype)
+        self.generation += 1
 
     def _reserve(self, needed: int) -> None:
         capacity = len(self._data)

@@ -99,6 +99,19 @@ class Settings(BaseSettings):
     upstream_api_key: SecretStr | None = Field(
         None, description="SGLang's / the router's own --api-key, sent on every upstream request"
     )
+    store: str = Field(
+        "memory",
+        description="where sessions live: 'memory' (this process, the default) or a Redis URL, "
+        "redis://host:port/db (sessions survive restarts and are shared by gateway replicas)",
+        pattern=r"^(memory|rediss?://.+)$",
+    )
+    redis_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="with the Redis store: how long a turn's hold on a session outlives a replica that died "
+        "holding it (renewed while the turn runs)",
+    )
+    redis_prefix: str = Field("slime-gateway", min_length=1, description="the Redis store's key prefix")
     tokenizer: str | None = Field(
         None,
         description="the served model's Hugging Face tokenizer directory (with its chat template): enables the "

@@ -15,6 +15,7 @@ base64, numpy) are translated into it at one boundary each, with ``raise ... fro
     │   ├── SessionBusy                 409 session_busy         a turn is already running on it
     │   ├── SessionMismatch             409 session_mismatch     the session is not what the caller's ``sync`` says
     │   └── HistoryMismatch             409 history_mismatch     a chat history that disagrees with the session's
+    ├── StoreUnavailable                503 store_unavailable    the shared session store (Redis) cannot be reached
     ├── NotFound                        404 not_found            no route has this path
     ├── MethodNotAllowed                405 method_not_allowed   the path exists, not with this method (Allow header)
     ├── LimitExceeded                   413 limit_exceeded       a GATEWAY_* limit refused the request
@@ -124,6 +125,14 @@ class HistoryMismatch(SessionConflict):
     the drift policy is ``reject``; ``details`` say from which message on they differ."""
 
     error_type = "history_mismatch"
+
+
+class StoreUnavailable(GatewayError):
+    """The shared session store (Redis) did not answer, or refused: nothing was written (a turn's fold is written in
+    one transaction, or not at all). Safe to retry once the store is back."""
+
+    status_code = 503
+    error_type = "store_unavailable"
 
 
 class NotFound(GatewayError):

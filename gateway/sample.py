@@ -129,6 +129,8 @@ class SessionSample:
     spec_counters: dict[str, int] = field(default_factory=dict)
     turns: list[TurnRecord] = field(default_factory=list)
     _text_pieces: list[str] = field(default_factory=list)
+    # A persistent store's bookkeeping of what it holds of this sample (``gateway.redis_store``); empty in memory.
+    persisted: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_prompt(cls, prompt_ids: list[int] | np.ndarray, moe: MoEShape | None = None) -> SessionSample:

@@ -50,6 +50,7 @@ class GatewayState:
 
     async def aclose(self) -> None:
         await self.abort_running_turns("gateway shutting down")
+        await self.store.aclose()
         await self.upstream.aclose()
         self.cpu_pool.shutdown(wait=False, cancel_futures=True)
 

@@ -1,4 +1,9 @@
-"""Session store: the in-memory backend (one gateway replica). A Redis backend would implement the same API.
+"""Session store: the in-memory backend (one gateway replica), and the API the Redis backend
+(``gateway.redis_store``) implements too.
+
+Every call that may reach a shared backend is async: ``create``, ``get``, ``delete``, ``acquire`` / ``release`` (a
+turn or append holds the session exclusively; ``release`` keeps what it changed), ``list_sessions`` and
+``expire_idle``. The limit checks are about this process and stay synchronous.
 
 The store enforces the session limits (count, tokens per session, bytes held) and keeps the numbers the metrics
 report (sessions, sessions with a turn running, bytes held) as counters updated on every change, so that neither a
@@ -56,6 +61,22 @@ class Session:
     def stored_bytes(self) -> int:
         return self.sample.stored_bytes + sum(branch.stored_bytes for branch in self.branches)
 
+    def summary(self) -> dict[str, Any]:
+        """What ``GET /v1/sessions`` lists and every view starts with."""
+        sample = self.sample
+        return {
+            "session_id": self.session_id,
+            "status": sample.status.value,
+            "busy": self.busy,
+            "prompt_length": sample.prompt_length,
+            "response_length": sample.response_length,
+            "total_tokens": len(sample.tokens),
+            "turns": len(sample.turns),
+            "branch": len(self.branches),  # the live trajectory's index (0 until a chat history is edited)
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+        }
+
     @property
     def samples(self) -> list[SessionSample]:
         """Every trajectory, as the sample fetches number them: the finished branches in order, the live one last."""
@@ -95,13 +116,25 @@ class SessionStore:
         self._stored_bytes = 0
         self._active = 0
 
-    def __len__(self) -> int:
+    @property
+    def count(self) -> int:
+        """Sessions held (a shared backend: as of its last count), O(1)."""
         return len(self._sessions)
 
-    def __iter__(self) -> Iterator[Session]:
-        return iter(list(self._sessions.values()))
+    async def start(self) -> None:
+        """Connect, where there is anything to connect to."""
 
-    def create(
+    async def aclose(self) -> None:
+        """Let go of what ``start`` took."""
+
+    async def list_sessions(self) -> list[dict[str, Any]]:
+        return [session.summary() for session in list(self._sessions.values())]
+
+    async def holder(self, session_id: str) -> str | None:
+        """The gateway instance running a turn on the session, if another one is (a shared backend)."""
+        return None
+
+    async def create(
         self,
         sample: SessionSample,
         *,
@@ -111,48 +144,75 @@ class SessionStore:
     ) -> Session:
         if session_id is not None and session_id in self._sessions:
             raise SessionExists(f"session {session_id!r} already exists", session_id=session_id)
-        if len(self._sessions) >= self._max_sessions:
-            raise TooManySessions(
-                f"the gateway already holds {len(self._sessions)} sessions",
-                setting="GATEWAY_MAX_SESSIONS",
-                limit=self._max_sessions,
-            )
+        self._check_session_count(len(self._sessions))
+        session = self._new_session(sample, session_id, metadata, sampling_defaults)
+        self._register(session)
+        return session
+
+    def _new_session(
+        self,
+        sample: SessionSample,
+        session_id: str | None,
+        metadata: dict[str, Any] | None,
+        sampling_defaults: dict[str, Any] | None,
+    ) -> Session:
+        """A new session, checked against the limits of this process; not stored yet."""
         self._check_tokens(len(sample.tokens), "the prompt has")
-        new_bytes = sample.stored_bytes
-        self._check_store_room(new_bytes)
-        session = Session(
+        self._check_store_room(sample.stored_bytes)
+        return Session(
             session_id=session_id or uuid.uuid4().hex,
             sample=sample,
             metadata=metadata or {},
             sampling_defaults=sampling_defaults or {},
-            counted_bytes=new_bytes,
         )
-        self._sessions[session.session_id] = session
-        self._stored_bytes += new_bytes
-        return session
 
-    def get(self, session_id: str) -> Session:
+    def _check_session_count(self, held: int) -> None:
+        if held >= self._max_sessions:
+            raise TooManySessions(
+                f"the gateway already holds {held} sessions",
+                setting="GATEWAY_MAX_SESSIONS",
+                limit=self._max_sessions,
+            )
+
+    def _register(self, session: Session) -> None:
+        """Hold ``session`` in this process (replacing an older copy), counting its bytes."""
+        old = self._sessions.get(session.session_id)
+        if old is not None:
+            self._stored_bytes -= old.counted_bytes
+        session.counted_bytes = session.stored_bytes
+        self._sessions[session.session_id] = session
+        self._stored_bytes += session.counted_bytes
+
+    async def get(self, session_id: str) -> Session:
+        return self.local(session_id)
+
+    def local(self, session_id: str) -> Session:
+        """The session as this process holds it (no backend round trip)."""
         try:
             return self._sessions[session_id]
         except KeyError:
             raise SessionNotFound(f"no session {session_id!r}", session_id=session_id) from None
 
-    def delete(self, session_id: str) -> None:
-        session = self.get(session_id)
+    async def delete(self, session_id: str) -> None:
+        session = self.local(session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id!r} has a turn running; abort or wait for it first")
         self._drop(session)
 
-    def acquire(self, session_id: str) -> Session:
+    async def acquire(self, session_id: str) -> Session:
         """Hold the session for one turn or append: a second one on the same session is a 409."""
-        session = self.get(session_id)
+        session = self.local(session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id!r} already has a turn running", session_id=session_id)
         session.busy = True
         self._active += 1
         return session
 
-    def release(self, session: Session) -> None:
+    async def release(self, session: Session) -> None:
+        """End a turn or append: what it changed is kept (a shared backend: written, or ``StoreUnavailable``)."""
+        self._unhold(session)
+
+    def _unhold(self, session: Session) -> None:
         if session.busy:
             self._active -= 1
         session.busy = False
@@ -161,16 +221,16 @@ class SessionStore:
 
     @asynccontextmanager
     async def exclusive(self, session_id: str) -> AsyncIterator[Session]:
-        session = self.acquire(session_id)
+        session = await self.acquire(session_id)
         try:
             yield session
         finally:
-            self.release(session)
+            await self.release(session)
 
     def running_turns(self) -> list[RunningTurn]:
         return [s.running for s in self._sessions.values() if s.running is not None]
 
-    def expire_idle(self, ttl_s: float, now: float | None = None) -> list[str]:
+    async def expire_idle(self, ttl_s: float, now: float | None = None) -> list[str]:
         """Drop sessions untouched for ``ttl_s`` (abandoned rollouts); a session with a turn running stays."""
         cutoff = (time.time() if now is None else now) - ttl_s
         expired = [s for s in self._sessions.values() if not s.busy and s.updated_at < cutoff]

@@ -349,32 +349,39 @@ class StreamTurn(TurnHandle):
     async def _produce(self) -> None:
         folded: FoldedTurn | None = None
         complete = False  # the upstream sent its final chunk: only [DONE] remains to read
+        final: dict[str, Any] | None = None  # the caller's last event, sent once the session has kept the turn
         try:
             folded = await self._consume()
             complete = True
-            self.events.put_nowait({"type": "turn", **folded.summary})
+            final = {"type": "turn", **folded.summary}
         except asyncio.CancelledError:
             folded = self._fold_partial(self.abort_reason or "gateway shutdown")
-            self.events.put_nowait({"type": "turn", **folded.summary})
+            final = {"type": "turn", **folded.summary}
             if self.abort_reason is None:
                 raise  # not our own hard stop: shutdown
         except (UpstreamProtocolError, LimitExceeded) as exc:
             # An invalid or over-limit answer changes nothing, exactly as in a unary turn.
             self.state.metrics.record_error(exc)
-            self.events.put_nowait({"type": "error", "error": exc.to_body()["error"], "turn": None})
+            final = {"type": "error", "error": exc.to_body()["error"], "turn": None}
         except GatewayError as error:
             self.state.metrics.record_error(error)
             folded = self._fold_partial(error.message) if len(self.token_ids) else None
             turn = None if folded is None else folded.summary
-            self.events.put_nowait({"type": "error", "error": error.to_body()["error"], "turn": turn})
+            final = {"type": "error", "error": error.to_body()["error"], "turn": turn}
         except Exception:  # a bug: the caller still gets an error event, and the session is released
             log.exception("session %s: streamed turn %s failed", self.session.session_id, self.rid)
             error = GatewayError("internal error while streaming the turn (see the gateway log)")
-            self.events.put_nowait({"type": "error", "error": error.to_body()["error"], "turn": None})
+            final = {"type": "error", "error": error.to_body()["error"], "turn": None}
         finally:
             self._ended(folded)
-            self.state.store.release(self.session)
+            try:
+                await self.state.store.release(self.session)
+            except GatewayError as error:  # the store could not keep the turn (a shared backend down)
+                self.state.metrics.record_error(error)
+                final = {"type": "error", "error": error.to_body()["error"], "turn": None}
             self.finished()
+            if final is not None:
+                self.events.put_nowait(final)
             self.events.put_nowait(None)
             try:
                 if complete:

@@ -22,19 +22,7 @@ LAST_TOKENS_SHOWN = 16
 
 
 def session_summary(session: Session) -> dict[str, Any]:
-    sample = session.sample
-    return {
-        "session_id": session.session_id,
-        "status": sample.status.value,
-        "busy": session.busy,
-        "prompt_length": sample.prompt_length,
-        "response_length": sample.response_length,
-        "total_tokens": len(sample.tokens),
-        "turns": len(sample.turns),
-        "branch": len(session.branches),  # the live trajectory's index (0 until a chat history is edited)
-        "created_at": session.created_at,
-        "updated_at": session.updated_at,
-    }
+    return session.summary()
 
 
 def session_view(session: Session) -> dict[str, Any]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -11,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from procs import free_port, start_process
+from procs import REPO_ROOT, free_port, start_process
 
 # The MoE shape the shared simulator runs with (small so tests stay fast; shapes are parameters everywhere).
 SIM_LAYERS, SIM_TOPK, SIM_EXPERTS = 4, 2, 8
@@ -78,6 +81,71 @@ def chat_sim(tokenizer_dir: Path) -> Iterator[Service]:
 def chat_gateway(chat_sim: Service, tokenizer_dir: Path) -> Iterator[Service]:
     with run_gateway(chat_sim.url, "--tokenizer", str(tokenizer_dir), "--log-level", "warning") as service:
         yield service
+
+
+# ---- Redis: the real server `make test` unpacks into .redis/ (scripts/redis_server.sh) -------------------------------
+REDIS_DIR = REPO_ROOT / ".redis"
+
+
+def redis_server_binary() -> Path:
+    binary = REDIS_DIR / "bin" / "redis-server"
+    if not binary.exists():
+        log = REDIS_DIR / "install.log"
+        why = log.read_text().strip()[-500:] if log.exists() else "run `make redis` (scripts/redis_server.sh)"
+        pytest.skip(f"no redis-server in {binary.parent}: {why}")
+    return binary
+
+
+@dataclass(frozen=True)
+class RedisServer:
+    url: str
+    port: int
+    process: Any
+
+
+@contextmanager
+def run_redis(*extra: str, port: int | None = None) -> Iterator[RedisServer]:
+    """A real redis-server on 127.0.0.1 (no persistence unless ``extra`` asks for it)."""
+    binary = redis_server_binary()
+    port = port or free_port()
+    args = [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *extra]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {port}") from None
+                time.sleep(0.05)
+        yield RedisServer(f"redis://127.0.0.1:{port}/0", port, process)
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with run_redis() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_gateway(simulator: Service, redis_server: RedisServer) -> Iterator[Service]:
+    """A gateway on the Redis store, beside the ``gateway`` fixture's in-memory one (same simulator)."""
+    env = {"GATEWAY_STORE": redis_server.url, "GATEWAY_REDIS_PREFIX": "shared"}
+    with run_gateway(simulator.url, "--log-level", "warning", env=env) as service:
+        yield service
+
+
+@pytest.fixture(scope="session", params=["memory", "redis"])
+def any_gateway(request: pytest.FixtureRequest) -> Service:
+    """The tests that take it run against both session stores."""
+    return request.getfixturevalue("gateway" if request.param == "memory" else "redis_gateway")
 
 
 @pytest.fixture

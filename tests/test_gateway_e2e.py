@@ -19,8 +19,9 @@ TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
 
 
 @pytest.fixture
-async def gw(gateway: Service) -> httpx.AsyncClient:
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+async def gw(any_gateway: Service) -> httpx.AsyncClient:
+    """The session API, against each session store (memory, Redis)."""
+    async with httpx.AsyncClient(base_url=any_gateway.url, timeout=30) as client:
         yield client
 
 

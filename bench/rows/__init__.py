@@ -15,6 +15,8 @@ from bench.rows import (
     materialize,
     memory,
     passthrough,
+    redis_turn,
+    replicas,
     routing_traffic,
     stream_turn,
     streaming,
@@ -48,4 +50,6 @@ ROWS: tuple[Row, ...] = (
     _row(11, dropin_turns),
     _row(12, group_fetch),
     _row(13, chat_turn),
+    _row(14, redis_turn),
+    _row(15, replicas),
 )

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from gateway.chat.messages import ChatMessage, ChatRequest, Tool
+from gateway.chat.messages import ChatMessage, ChatRequest, Tool, ToolCall
 from gateway.chat.template import ChatTemplate, Rendered
 from gateway.errors import HistoryMismatch, InvalidRequest
 from gateway.store import Session, SessionStore
@@ -47,6 +47,24 @@ class ChatRecord:
             count += 1
         return count
 
+    def to_json(self) -> dict[str, Any]:
+        """For a persistent store (``gateway.redis_store``); ``from_json`` reads it back."""
+        return {
+            "messages": [_message_json(m) for m in self.messages],
+            "ends": list(self.ends),
+            "tools": [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in self.tools],
+        }
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> ChatRecord:
+        tools = tuple(Tool(**tool) for tool in value["tools"])
+        return cls(
+            messages=tuple(_message_from_json(m) for m in value["messages"]),
+            ends=tuple(value["ends"]),
+            tools=tools,
+            tools_key=ChatRequest(messages=(), tools=tools).tools_key,
+        )
+
     def branch_point(self, common: int) -> int:
         """The longest prefix of ``common`` messages that ends with a message the model wrote (0: none)."""
         for count in range(common, 0, -1):
@@ -68,6 +86,21 @@ class ChatPlan:
     def tokens_after(self, session: Session) -> int:
         base = len(session.sample.tokens) if self.fork_at is None else self.fork_at
         return base + len(self.delta.ids)
+
+
+def _message_json(message: ChatMessage) -> dict[str, Any]:
+    return {
+        "role": message.role,
+        "content": message.content,
+        "tool_calls": [[c.id, c.name, c.arguments] for c in message.tool_calls],
+        "tool_call_id": message.tool_call_id,
+        "name": message.name,
+    }
+
+
+def _message_from_json(value: dict[str, Any]) -> ChatMessage:
+    calls = tuple(ToolCall(*call) for call in value["tool_calls"])
+    return ChatMessage(value["role"], value["content"], calls, value["tool_call_id"], value["name"])
 
 
 def plan_chat(template: ChatTemplate, session: Session, request: ChatRequest, policy: DriftPolicy) -> ChatPlan:

@@ -85,7 +85,7 @@ class ChatService:
 
     async def open_stream(self, state: GatewayState, session_id: str, request: ChatRequest) -> ChatStream:
         """Start a streamed turn; errors before the upstream answers are plain errors (the session unchanged)."""
-        session = state.store.acquire(session_id)
+        session = await state.store.acquire(session_id)
         try:
             plan = await self._plan(state, session, request)
             undo = self._begin(state, session, request, plan)
@@ -96,7 +96,7 @@ class ChatService:
                 undo()
                 raise
         except BaseException:
-            state.store.release(session)
+            await state.store.release(session)
             raise
         return stream
 

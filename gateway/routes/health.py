@@ -19,7 +19,7 @@ async def health(state: StateDep) -> Response:
             "version": __version__,
             "instance_id": state.instance_id,
             "upstream_url": state.settings.upstream_base,
-            "sessions": len(state.store),
+            "sessions": state.store.count,
             "uptime_s": round(time.time() - state.started_at, 3),
         }
     )

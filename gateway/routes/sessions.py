@@ -26,7 +26,7 @@ FINISHED = frozenset({Status.COMPLETED, Status.TRUNCATED})  # slime never genera
 @router.post("/sessions", status_code=201)
 async def create_session(body: SessionCreateBody, state: StateDep, request: Request) -> Response:
     moe = None if body.num_layers is None else MoEShape(body.num_layers, body.moe_router_topk)  # type: ignore[arg-type]
-    session = state.store.create(
+    session = await state.store.create(
         SessionSample.from_prompt(np.empty(0, np.int32) if body.prompt_ids is None else body.prompt_ids, moe),
         session_id=body.session_id,
         metadata=body.metadata,
@@ -40,20 +40,20 @@ async def create_session(body: SessionCreateBody, state: StateDep, request: Requ
         folded = await _unary_turn(state, session.session_id, body.generate)
     except BaseException:
         with contextlib.suppress(GatewayError):
-            state.store.delete(session.session_id)
+            await state.store.delete(session.session_id)
         raise
     return await _turn_response(state, folded, request, status_code=201)
 
 
 @router.get("/sessions")
 async def list_sessions(state: StateDep) -> Response:
-    sessions = [session_summary(s) for s in state.store]
+    sessions = await state.store.list_sessions()
     return json_response({"count": len(sessions), "sessions": sessions})
 
 
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, state: StateDep, full: bool = False) -> Response:
-    session = state.store.get(session_id)
+    session = await state.store.get(session_id)
     if not full:
         return json_response(session_view(session))
     view = full_view(session)
@@ -62,7 +62,7 @@ async def get_session(session_id: str, state: StateDep, full: bool = False) -> R
 
 @router.delete("/sessions/{session_id}", status_code=204)
 async def delete_session(session_id: str, state: StateDep) -> Response:
-    state.store.delete(session_id)
+    await state.store.delete(session_id)
     return Response(status_code=204)
 
 
@@ -79,7 +79,7 @@ async def _unary_turn(state: GatewayState, session_id: str, body: TurnCreate) ->
         folded = await run_turn(state, session, body)
     status = folded.plan.status_after
     if body.delete_after_turn == "always" or (body.delete_after_turn == "if_finished" and status in FINISHED):
-        state.store.delete(session_id)
+        await state.store.delete(session_id)
     return folded
 
 
@@ -95,12 +95,12 @@ async def _turn_response(
 
 
 async def _stream_turn(session_id: str, body: TurnCreate, state: StateDep) -> Response:
-    session = state.store.acquire(session_id)
+    session = await state.store.acquire(session_id)
     try:
         state.store.check_growth(session)
         turn = await open_stream_turn(state, session, body)
     except BaseException:
-        state.store.release(session)  # nothing was sent to the caller yet: a plain HTTP error
+        await state.store.release(session)  # nothing was sent to the caller yet: a plain HTTP error
         raise
     # From here the turn's own task owns the session and releases it, whatever the caller does.
     return StreamingResponse(
@@ -111,9 +111,15 @@ async def _stream_turn(session_id: str, body: TurnCreate, state: StateDep) -> Re
 @router.post("/sessions/{session_id}/abort")
 async def abort(session_id: str, state: StateDep) -> Response:
     """Abort the running turn; answers once it has ended (tokens so far folded in, status aborted)."""
-    session = state.store.get(session_id)
+    session = await state.store.get(session_id)
     running = session.running
     if running is None:
+        elsewhere = await state.store.holder(session_id)
+        if elsewhere is not None:  # a replica sharing the Redis store runs it: aborts go to the turn's owner
+            detail = f"the turn runs on gateway instance {elsewhere}: send the abort to that replica"
+            return json_response(
+                session_summary(session) | {"aborted": False, "detail": detail, "instance_id": elsewhere}
+            )
         return json_response(session_summary(session) | {"aborted": False, "detail": "no turn running"})
     running.abort("abort requested by the caller")
     finished = await running.wait(ABORT_WAIT_S)
@@ -136,14 +142,14 @@ async def append(session_id: str, body: ToolAppendBody, state: StateDep) -> Resp
 @router.get("/sessions/{session_id}/sample")
 async def get_sample(session_id: str, state: StateDep, branch: int | None = None) -> Response:
     """The live trajectory's sample, or ``?branch=N`` one of a chat session's (``branches`` in the view)."""
-    payload = sample_payload(state.store.get(session_id), branch)
+    payload = sample_payload(await state.store.get(session_id), branch)
     return safetensors_response(await state.run_cpu(payload.nbytes, payload.encode))
 
 
 @router.post("/samples")
 async def get_samples(body: SampleBatchBody, state: StateDep) -> Response:
     """A whole group, streamed from the sessions' own arrays: a group of 64 big samples is never copied whole."""
-    payload = group_payload([state.store.get(sid) for sid in body.session_ids])
+    payload = group_payload([await state.store.get(sid) for sid in body.session_ids])
     stream = safetensors_stream(payload.arrays, payload.metadata)
 
     async def chunks() -> AsyncIterator[bytes | memoryview]:
