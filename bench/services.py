@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import orjson
 
 from bench.core import log
 from bench.workload import MoE, simulator_args
+from slime_wire.http1 import ConnectionPool
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 30.0
@@ -288,3 +290,23 @@ class Services:
         if self._tokenizer_dir is not None:
             self._tokenizer_dir.cleanup()
             self._tokenizer_dir = None
+
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+async def read_body(pool: ConnectionPool, method: str, path: str, body: Any = None) -> bytes:
+    """One JSON request; its whole answer body, read to the end (a RuntimeError on a 4xx/5xx)."""
+    payload = b"" if body is None else orjson.dumps(body)
+    headers = [(b"content-type", b"application/json")] if body is not None else []
+    response = await pool.request(method, path.encode(), headers, payload, timeout=REQUEST_TIMEOUT_S)
+    pieces = []
+    try:
+        async for piece in response.iter_raw():
+            pieces.append(piece)
+    finally:
+        await response.aclose()
+    data = b"".join(pieces)
+    if response.status >= 400:
+        raise RuntimeError(f"{method} {path} -> {response.status}: {data[-500:]!r}")
+    return data

@@ -18,8 +18,6 @@ lengths; the sessions are deleted after each round (not timed).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +27,7 @@ import orjson
 import uvloop
 
 from bench.core import Check, Context, RowResult, log, median, ratio
-from bench.services import ServerProcess
+from bench.services import ServerProcess, read_body
 from bench.workload import TOP_P_FLAG, prompt_ids
 from slime_wire.http1 import ConnectionPool
 
@@ -38,7 +36,6 @@ if TYPE_CHECKING:
 
 NAME = "chat turn vs token turn"
 JSON = [(b"content-type", b"application/json")]
-TIMEOUT_S = 600.0
 GOAL = 1.2
 TEMPLATE_TOKENS = 8  # what the template puts around a user message (its role line, the close, the generation prompt)
 
@@ -57,35 +54,6 @@ def user_text(tokenizer: Tokenizer, tokens: int, seed: int) -> str:
     encoding = tokenizer.encode(text, add_special_tokens=False)
     keep = max(1, tokens - TEMPLATE_TOKENS)
     return text[: encoding.offsets[min(keep, len(encoding.ids)) - 1][1]]
-
-
-async def call(pool: ConnectionPool, method: str, path: str, body: Any = None) -> bytes:
-    """One request; its whole answer body (read to the end by both sides alike)."""
-    payload = b"" if body is None else orjson.dumps(body)
-    response = await pool.request(method, path.encode(), JSON if body is not None else [], payload, timeout=TIMEOUT_S)
-    pieces = []
-    try:
-        async for piece in response.iter_raw():
-            pieces.append(piece)
-    finally:
-        await response.aclose()
-    data = b"".join(pieces)
-    if response.status >= 400:
-        raise RuntimeError(f"{method} {path} -> {response.status}: {data[-500:]!r}")
-    return data
-
-
-def cpu_seconds(process: ServerProcess) -> float:
-    """CPU time of all the process's threads, in nanoseconds (``/proc/<pid>/task/*/schedstat``: run time, not ticks),
-    as seconds. The gateway's threads (event loop, decode pool) live as long as it does."""
-    total = 0
-    for tid in os.listdir(f"/proc/{process.pid}/task"):
-        with (
-            contextlib.suppress(FileNotFoundError, ProcessLookupError),
-            open(f"/proc/{process.pid}/task/{tid}/schedstat") as stat,
-        ):
-            total += int(stat.read().split()[0])
-    return total / 1e9
 
 
 class Sides:
@@ -110,17 +78,17 @@ class Sides:
     async def chat(self) -> tuple[float, float, float, dict[str, Any]]:
         """(wall s, gateway CPU s, render ms of the timed turn, the timed turn's ``gateway`` object)."""
         pool, r = self.pool, self.shape.response_tokens
-        created = orjson.loads(await call(pool, "POST", "/v1/sessions", self.session))
+        created = orjson.loads(await read_body(pool, "POST", "/v1/sessions", self.session))
         path = f"/v1/sessions/{created['session_id']}"
         try:
-            first = self.check_chat(await call(pool, "POST", f"{path}/chat/completions", self.turn([self.first])))
+            first = self.check_chat(await read_body(pool, "POST", f"{path}/chat/completions", self.turn([self.first])))
             reply = {"role": "assistant", "content": first["choices"][0]["message"]["content"]}
             body = self.turn([self.first, reply, self.followup])
-            gateway, started = cpu_seconds(self.gateway), time.perf_counter()
-            raw = await call(pool, "POST", f"{path}/chat/completions", body)
-            elapsed, cpu = time.perf_counter() - started, cpu_seconds(self.gateway) - gateway
+            gateway, started = self.gateway.cpu_seconds(), time.perf_counter()
+            raw = await read_body(pool, "POST", f"{path}/chat/completions", body)
+            elapsed, cpu = time.perf_counter() - started, self.gateway.cpu_seconds() - gateway
         finally:
-            await call(pool, "DELETE", path)
+            await read_body(pool, "DELETE", path)
         second = self.check_chat(raw)
         info = second["gateway"] | {"first_total": first["gateway"]["total_tokens"]}
         info["first_render_ms"] = first["gateway"]["render_ms"]
@@ -150,18 +118,20 @@ class Sides:
     async def token(self) -> tuple[float, float, float]:
         """(wall s of append + generate, gateway CPU s, wall s of the generate alone)."""
         pool, sampling = self.pool, {"max_new_tokens": self.shape.response_tokens}
-        created = orjson.loads(await call(pool, "POST", "/v1/sessions", self.session | {"prompt_ids": self.prompt}))
+        created = orjson.loads(
+            await read_body(pool, "POST", "/v1/sessions", self.session | {"prompt_ids": self.prompt})
+        )
         path = f"/v1/sessions/{created['session_id']}"
         try:
-            self.check_token(await call(pool, "POST", f"{path}/generate", {"sampling_params": sampling}))
-            gateway, started = cpu_seconds(self.gateway), time.perf_counter()
-            await call(pool, "POST", f"{path}/append", {"token_ids": self.appended})
+            self.check_token(await read_body(pool, "POST", f"{path}/generate", {"sampling_params": sampling}))
+            gateway, started = self.gateway.cpu_seconds(), time.perf_counter()
+            await read_body(pool, "POST", f"{path}/append", {"token_ids": self.appended})
             generate_started = time.perf_counter()
-            raw = await call(pool, "POST", f"{path}/generate", {"sampling_params": sampling})
+            raw = await read_body(pool, "POST", f"{path}/generate", {"sampling_params": sampling})
             done = time.perf_counter()
-            cpu = cpu_seconds(self.gateway) - gateway
+            cpu = self.gateway.cpu_seconds() - gateway
         finally:
-            await call(pool, "DELETE", path)
+            await read_body(pool, "DELETE", path)
         summary = self.check_token(raw)
         if summary["total_tokens"] != self.total_tokens:
             raise RuntimeError(f"token-level session at {summary['total_tokens']}, chat at {self.total_tokens}")

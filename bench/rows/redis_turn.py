@@ -28,31 +28,13 @@ import orjson
 import uvloop
 
 from bench.core import Check, Context, RowResult, log, median, ratio
-from bench.services import RedisServer, ServerProcess
+from bench.services import RedisServer, ServerProcess, read_body
 from bench.workload import TOP_P_FLAG, prompt_ids
 from slime_wire.http1 import ConnectionPool
 
 NAME = "Redis store per turn"
-JSON = [(b"content-type", b"application/json")]
-TIMEOUT_S = 600.0
 GOAL = 1.3
 MIB = 2**20
-
-
-async def call(pool: ConnectionPool, method: str, path: str, body: Any = None) -> bytes:
-    """One request; its whole answer body (read to the end)."""
-    payload = b"" if body is None else orjson.dumps(body)
-    response = await pool.request(method, path.encode(), JSON if body is not None else [], payload, timeout=TIMEOUT_S)
-    pieces = []
-    try:
-        async for piece in response.iter_raw():
-            pieces.append(piece)
-    finally:
-        await response.aclose()
-    data = b"".join(pieces)
-    if response.status >= 400:
-        raise RuntimeError(f"{method} {path} -> {response.status}: {data[-500:]!r}")
-    return data
 
 
 def array_bytes(view: dict[str, Any]) -> int:
@@ -100,10 +82,10 @@ class Sides:
         """One session: {step: wall s, step cpu: gateway CPU s, step redis cpu: s, step in / out: Redis bytes, step
         new: the array bytes it added}."""
         got: dict[str, float] = {}
-        created = orjson.loads(await call(pool, "POST", "/v1/sessions", self.session))
+        created = orjson.loads(await read_body(pool, "POST", "/v1/sessions", self.session))
         path = f"/v1/sessions/{created['session_id']}"
         try:
-            before = array_bytes(orjson.loads(await call(pool, "GET", path)))
+            before = array_bytes(orjson.loads(await read_body(pool, "GET", path)))
             first = {"sampling_params": {"max_new_tokens": self.shape.response_tokens}}
             second = {"sampling_params": {"max_new_tokens": self.shape.second_response_tokens}}
             steps: list[tuple[str, list[tuple[str, Any]]]] = [
@@ -115,14 +97,14 @@ class Sides:
                 summary = orjson.loads(raw)
                 if summary["status"] != "truncated":  # ignore_eos: each turn ends at max_new_tokens
                     raise RuntimeError(f"{step} did not end as expected: {raw[-300:]!r}")
-                after = array_bytes(orjson.loads(await call(pool, "GET", path)))
+                after = array_bytes(orjson.loads(await read_body(pool, "GET", path)))
                 got[f"{step} new"], before = after - before, after
             got["session bytes"] = before
             sample = await self.timed(got, "fetch", gateway, [(pool, "GET", f"{path}/sample", None)])
             if sample_tokens(sample) != self.total:
                 raise RuntimeError(f"the sample holds {sample_tokens(sample)} tokens, not {self.total}")
         finally:
-            await call(pool, "DELETE", path)
+            await read_body(pool, "DELETE", path)
         return got
 
     async def timed(
@@ -131,7 +113,7 @@ class Sides:
         counters, redis_cpu, cpu = self.meter.counters(), self.redis.cpu_seconds(), gateway.cpu_seconds()
         started = time.perf_counter()
         for request in requests:
-            raw = await call(*request)
+            raw = await read_body(*request)
         got[step] = time.perf_counter() - started
         got[f"{step} cpu"] = gateway.cpu_seconds() - cpu
         got[f"{step} redis cpu"] = self.redis.cpu_seconds() - redis_cpu

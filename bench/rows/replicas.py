@@ -28,8 +28,8 @@ import orjson
 import uvloop
 
 from bench.core import Check, Context, RowResult, log, median, percentile, ratio
-from bench.rows.redis_turn import call, sample_tokens
-from bench.services import ServerProcess
+from bench.rows.redis_turn import sample_tokens
+from bench.services import ServerProcess, read_body
 from bench.workload import TOP_P_FLAG, prompt_ids
 from slime_wire.http1 import ConnectionPool
 
@@ -82,21 +82,21 @@ class Load:
         prompt = {"prompt_ids": prompt_ids(self.shape.prompt_tokens, seed=100 + session)}
         for _ in range(loops):
             created = orjson.loads(
-                await call(self.pool(mode, session, 0), "POST", "/v1/sessions", self.create | prompt)
+                await read_body(self.pool(mode, session, 0), "POST", "/v1/sessions", self.create | prompt)
             )
             path = f"/v1/sessions/{created['session_id']}"
             steps = [("POST", "generate", self.turn), ("POST", "append", self.tool), ("POST", "generate", self.turn)]
             for request, (method, route, body) in enumerate(steps, start=1):
                 started = time.perf_counter()
-                raw = await call(self.pool(mode, session, request), method, f"{path}/{route}", body)
+                raw = await read_body(self.pool(mode, session, request), method, f"{path}/{route}", body)
                 if route == "generate":
                     latencies.append(time.perf_counter() - started)
             if orjson.loads(raw)["total_tokens"] != self.total:
                 raise RuntimeError(f"{mode}: the second turn ended at {raw[-300:]!r}, not {self.total} tokens")
-            sample = await call(self.pool(mode, session, 4), "GET", f"{path}/sample")
+            sample = await read_body(self.pool(mode, session, 4), "GET", f"{path}/sample")
             if sample_tokens(sample) != self.total:
                 raise RuntimeError(f"{mode}: the sample holds {sample_tokens(sample)} tokens, not {self.total}")
-            await call(self.pool(mode, session, 5), "DELETE", path)
+            await read_body(self.pool(mode, session, 5), "DELETE", path)
 
     async def phase(self, mode: str, loops: int) -> dict[str, Any]:
         """Every session's ``loops`` loops at once: model turns per second, latencies, CPU per model turn."""
