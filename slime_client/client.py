@@ -157,15 +157,7 @@ class GatewayClient:
     ) -> Session:
         """Start a session from prompt token ids; give ``num_layers`` and ``moe_router_topk`` for routing replay.
         Without ``prompt_ids``: a chat session, whose first chat request renders the prompt (``openai_base_url``)."""
-        body: dict[str, Any] = {} if prompt_ids is None else {"prompt_ids": token_list(prompt_ids)}
-        optional = {
-            "num_layers": num_layers,
-            "moe_router_topk": moe_router_topk,
-            "session_id": session_id,
-            "metadata": None if metadata is None else dict(metadata),
-            "sampling_defaults": None if sampling_defaults is None else dict(sampling_defaults),
-        }
-        body.update({key: value for key, value in optional.items() if value is not None})
+        body = session_body(prompt_ids, num_layers, moe_router_topk, session_id, metadata, sampling_defaults)
         answer = await self._json("POST", "/v1/sessions", body=body, idempotent=False)
         summary = SessionSummary.from_json(answer)
         return Session(self, summary.session_id, summary=summary)
@@ -189,15 +181,7 @@ class GatewayClient:
         ``delete_after_turn``: "never" keeps the session, "always" drops it after the turn (a single-turn sample
         in one request), "if_finished" drops it once completed or truncated (pending/aborted ones stay).
         """
-        body: dict[str, Any] = {"prompt_ids": token_list(prompt_ids)}
-        optional = {
-            "num_layers": num_layers,
-            "moe_router_topk": moe_router_topk,
-            "session_id": session_id,
-            "metadata": None if metadata is None else dict(metadata),
-            "sampling_defaults": None if sampling_defaults is None else dict(sampling_defaults),
-        }
-        body.update({key: value for key, value in optional.items() if value is not None})
+        body = session_body(prompt_ids, num_layers, moe_router_topk, session_id, metadata, sampling_defaults)
         body["generate"] = turn_body(sampling_params, return_routed_experts, None, delete_after_turn)
         content = await self._safetensors("POST", "/v1/sessions", body=body, idempotent=False)
         return TurnTensors.from_safetensors(content)
@@ -447,6 +431,27 @@ class Session:
 
     async def delete(self) -> None:
         await self.client._send("DELETE", self._path, idempotent=True, gone_is_done=True)
+
+
+def session_body(
+    prompt_ids: Sequence[int] | None,
+    num_layers: int | None,
+    moe_router_topk: int | None,
+    session_id: str | None,
+    metadata: Mapping[str, Any] | None,
+    sampling_defaults: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The body of ``POST /v1/sessions``, unset fields left out (no ``prompt_ids``: a chat session)."""
+    body: dict[str, Any] = {} if prompt_ids is None else {"prompt_ids": token_list(prompt_ids)}
+    optional = {
+        "num_layers": num_layers,
+        "moe_router_topk": moe_router_topk,
+        "session_id": session_id,
+        "metadata": None if metadata is None else dict(metadata),
+        "sampling_defaults": None if sampling_defaults is None else dict(sampling_defaults),
+    }
+    body.update({key: value for key, value in optional.items() if value is not None})
+    return body
 
 
 def turn_body(

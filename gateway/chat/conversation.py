@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.chat.messages import ChatMessage, ChatRequest, Tool, ToolCall
+from gateway.chat.messages import ChatMessage, ChatRequest, Tool, ToolCall, tools_key
 from gateway.chat.template import ChatTemplate, Rendered
 from gateway.errors import HistoryMismatch, InvalidRequest
 from gateway.store import Session, SessionStore
@@ -33,7 +33,10 @@ class ChatRecord:
     # None for messages that were rendered.
     ends: tuple[int | None, ...]
     tools: tuple[Tool, ...]
-    tools_key: bytes
+
+    @property
+    def tools_key(self) -> bytes:
+        return tools_key(self.tools)
 
     def common_prefix(self, request: ChatRequest) -> int:
         """How many leading messages of ``request`` are the record's (none when the tools differ: they are part of
@@ -57,12 +60,10 @@ class ChatRecord:
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> ChatRecord:
-        tools = tuple(Tool(**tool) for tool in value["tools"])
         return cls(
             messages=tuple(_message_from_json(m) for m in value["messages"]),
             ends=tuple(value["ends"]),
-            tools=tools,
-            tools_key=ChatRequest(messages=(), tools=tools).tools_key,
+            tools=tuple(Tool(**tool) for tool in value["tools"]),
         )
 
     def branch_point(self, common: int) -> int:
@@ -168,5 +169,4 @@ def record_reply(session: Session, request: ChatRequest, plan: ChatPlan, reply: 
         messages=(*request.messages, reply),
         ends=(*kept, *([None] * new), len(session.sample.tokens)),
         tools=request.tools,
-        tools_key=request.tools_key,
     )

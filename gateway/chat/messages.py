@@ -84,6 +84,12 @@ class Tool:
         return {"type": "function", "function": function}
 
 
+def tools_key(tools: tuple[Tool, ...]) -> bytes:
+    """The tools as canonical JSON, as the template gets them: it renders them into the prompt, so other tools are
+    another prompt."""
+    return orjson.dumps([t.template_dict() for t in tools], option=orjson.OPT_SORT_KEYS)
+
+
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
     """One chat request, validated and translated: what the conversation logic and the turn need."""
@@ -98,9 +104,7 @@ class ChatRequest:
 
     @property
     def tools_key(self) -> bytes:
-        """The tools as canonical JSON: the template renders them into the prompt, so other tools are another
-        prompt."""
-        return orjson.dumps([t.template_dict() for t in self.tools], option=orjson.OPT_SORT_KEYS)
+        return tools_key(self.tools)
 
     @property
     def parse_tool_calls(self) -> bool:
