@@ -254,6 +254,16 @@ def check_no_foreign_bytes(env: Env, outcome: Outcome, own: str | None = None) -
             assert answer.marker not in outcome.raw, f"bytes of the answer to {key} leaked into {outcome.raw[:300]!r}"
 
 
+async def generate_requests_since(env: Env, seen: int, timeout_s: float = 5.0) -> list[RawRequest]:
+    """The ``/generate`` requests the upstream logged after its first ``seen`` requests, once there is one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [r for r in env.upstream.requests[seen:] if r.path == "/generate"]
+        if found or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.01)
+
+
 def requests_for(env: Env, rid: str) -> list[RawRequest]:
     """Every ``/generate`` the upstream received for ``rid``."""
     return [r for r in env.upstream.requests if r.path == "/generate" and (r.json or {}).get("rid") == rid]
@@ -584,12 +594,15 @@ async def test_late_answer_on_a_reused_connection_is_refused(narrow: Env, client
     first = check_answered(narrow, await call(narrow, client, "unary", sid))
     narrow.upstream.reply = narrow.good
     before = await session_state(client, sid)
+    seen = len(narrow.upstream.requests)
     second = await call(narrow, client, "unary", sid)  # right away, before the late answer
-    (sent,) = second.generate_requests
+    # The fake upstream logs the second request only once its script for the first is done (the same connection),
+    # which can be just after the gateway already answered 502: wait for the log, not for the gateway.
+    (sent,) = await generate_requests_since(narrow, seen)
     assert sent.connection == first.connection  # the reused connection
     check_failed(second, 502, "upstream_protocol_error", reason="foreign_answer")
     assert first.json["rid"] in second.error()["message"]
-    check_no_foreign_bytes(narrow, second)
+    check_no_foreign_bytes(narrow, second, own=sent.json["rid"])
     # the real answer to the second request follows on that connection: it must be discarded too
     await asyncio.sleep(0.2)
     await check_recovered(narrow, client, "unary", sid, before)
