@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     connections = ConnectionGuard(
         max_connections=fit_open_files_limit(settings.max_client_connections, settings.max_connections),
         header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
     )
     uvicorn.run(
         create_app(settings, connections),

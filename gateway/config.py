@@ -81,6 +81,12 @@ class Settings(BaseSettings):
     header_timeout_s: float = Field(
         10.0, gt=0, description="a client connection whose request head is not complete this long is closed"
     )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a request whose body is not complete this long after its head is answered 408 body_timeout "
+        "and its connection closed",
+    )
     max_client_connections: int = Field(
         10_000,
         ge=1,

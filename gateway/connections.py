@@ -1,4 +1,4 @@
-"""Client connections: a deadline for the request head, a cap on open connections, and the open-files limit.
+"""Client connections: deadlines for the request head and body, a cap on open connections, the open-files limit.
 
 uvicorn (0.54, ``protocols/http/httptools_impl.py``) has no timeout for a connection that never completes a request
 head: its only timer is the keep-alive one, armed after a response. A connection that sends nothing, or a partial
@@ -9,10 +9,15 @@ request, ``/health`` included, 503. ``GuardedHttpToolsProtocol`` (uvicorn's http
 - the head deadline: a connection whose head is not complete ``header_timeout_s`` after it opened (or, on a kept-alive
   connection, after the head's first byte) is closed: silently if nothing came, with a 408 ``header_timeout`` if
   part of a head did;
+- the body deadline: a request whose body is not complete ``body_timeout_s`` after its head is answered 408
+  ``body_timeout`` and its connection closed (a body that trickles or stalls would otherwise hold its connection,
+  and the route waiting for it, for ever);
 - the cap: past ``max_client_connections`` a new connection closes the connection idle longest (waiting for a head,
-  or kept alive between requests). Only a server whose every connection has a request in flight refuses the new one
-  (503 ``too_many_connections``). So a flood of half-open connections costs the flooder its oldest ones, while
-  ``/health`` and real callers keep getting in, and the process never runs out of file descriptors;
+  or kept alive between requests), or, when none is idle, the one whose body has been arriving longest (answered
+  503 ``too_many_connections``). Only a server whose every connection has a whole request in flight refuses the new
+  one (503 ``too_many_connections``). So a flood of half-open connections or stalled bodies costs the flooder its
+  oldest ones, while ``/health`` and real callers keep getting in, and the process never runs out of file
+  descriptors;
 - a deadline for the rest of a body answered early (a 413 sent before the body was read): uvicorn reads it and
   drops it, so that the client, still sending, gets the answer rather than a reset; if the body has not ended
   ``header_timeout_s`` after the answer (an endless or stalled body), the connection is closed.
@@ -28,12 +33,13 @@ import http
 import logging
 import resource
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.errors import GatewayError, HeaderTimeout, TooManyConnections
+from gateway.errors import BodyTimeout, GatewayError, HeaderTimeout, TooManyConnections
 
 log = logging.getLogger("gateway.connections")
 
@@ -41,69 +47,88 @@ log = logging.getLogger("gateway.connections")
 # worker threads, and a burst of accepted connections whose evictions have not been processed yet.
 SPARE_FDS = 256
 MIN_CLIENT_CONNECTIONS = 16
-# Connections whose head deadline passed are closed this many per event-loop pass: a flood opened in one burst has
-# its deadlines pass together, and closing ten thousand connections (each a write and a close) in one pass held the
-# loop for 100-200 ms, /health included.
+# Connections whose head or body deadline passed are closed this many per event-loop pass: a flood opened in one burst
+# has its deadlines pass together, and closing ten thousand connections (each a write and a close) in one pass held
+# the loop for 100-200 ms, /health included.
 CLOSE_BATCH = 128
 
 
 class ConnectionGuard:
-    """The client connections of one server: idle ones in the order they became idle, and the busy ones (a request
-    in flight). Every operation is O(1)."""
+    """The client connections of one server, each in one of three states: idle (waiting for a head, or kept alive
+    between requests), receiving (its head is complete, its body is not) and busy (a whole request in flight). The
+    idle and the receiving ones are kept in the order they entered that state. Every operation is O(1)."""
 
-    def __init__(self, max_connections: int, header_timeout_s: float) -> None:
+    def __init__(self, max_connections: int, header_timeout_s: float, body_timeout_s: float) -> None:
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
         self._idle: OrderedDict[GuardedHttpToolsProtocol, None] = OrderedDict()
+        self._receiving: OrderedDict[GuardedHttpToolsProtocol, None] = OrderedDict()
         self._busy: set[GuardedHttpToolsProtocol] = set()
-        self.closed = {"header_timeout": 0, "evicted": 0, "refused": 0}
-        self._expired: deque[GuardedHttpToolsProtocol] = deque()
+        self.closed = {"header_timeout": 0, "body_timeout": 0, "evicted": 0, "evicted_mid_body": 0, "refused": 0}
+        self._expired: deque[Callable[[], None]] = deque()
         self._closer: asyncio.Task[None] | None = None
 
     @property
     def open(self) -> int:
-        return len(self._idle) + len(self._busy)
+        return len(self._idle) + len(self._receiving) + len(self._busy)
 
     def admit(self, connection: GuardedHttpToolsProtocol) -> bool:
         """Take a new connection (idle until its head is complete). At the cap, the connection idle longest is closed
-        to make room; False if none is idle: the caller refuses the new one."""
+        to make room, or when none is idle the one receiving its body longest; False if every connection is busy:
+        the caller refuses the new one."""
         if self.open >= self.max_connections:
-            if not self._idle:
+            if self._idle:
+                oldest, _ = self._idle.popitem(last=False)
+                self.closed["evicted"] += 1
+                oldest.evict()
+            elif self._receiving:
+                oldest, _ = self._receiving.popitem(last=False)
+                self.closed["evicted_mid_body"] += 1
+                oldest.evict_mid_body()
+            else:
                 self.closed["refused"] += 1
                 return False
-            oldest, _ = self._idle.popitem(last=False)
-            self.closed["evicted"] += 1
-            oldest.evict()
         self._idle[connection] = None
         return True
 
     def is_busy(self, connection: GuardedHttpToolsProtocol) -> bool:
-        return connection in self._busy
+        return connection in self._busy or connection in self._receiving
+
+    def receiving(self, connection: GuardedHttpToolsProtocol) -> None:
+        """Its head is complete. Not when a pipelined request follows one in flight: that connection stays busy."""
+        if connection in self._idle:
+            del self._idle[connection]
+            self._receiving[connection] = None
 
     def busy(self, connection: GuardedHttpToolsProtocol) -> None:
-        if connection in self._idle:  # not when a pipelined request follows one in flight: busy already
-            del self._idle[connection]
+        """Its body is complete (or it had none)."""
+        if connection in self._receiving:
+            del self._receiving[connection]
             self._busy.add(connection)
 
     def idle(self, connection: GuardedHttpToolsProtocol) -> None:
-        if connection in self._busy:
+        """Its response is complete (its body may not be: the rest is dropped, under the drop deadline)."""
+        if connection in self._busy or connection in self._receiving:
             self._busy.discard(connection)
+            self._receiving.pop(connection, None)
             self._idle[connection] = None
 
     def forget(self, connection: GuardedHttpToolsProtocol) -> None:
         self._idle.pop(connection, None)
+        self._receiving.pop(connection, None)
         self._busy.discard(connection)
 
-    def head_deadline_passed(self, connection: GuardedHttpToolsProtocol) -> None:
-        """Queue ``connection`` to be closed for its late head; the queue is worked ``CLOSE_BATCH`` per loop pass."""
-        self._expired.append(connection)
+    def deadline_passed(self, close: Callable[[], None]) -> None:
+        """Queue ``close`` (a connection's late head or body); the queue is worked ``CLOSE_BATCH`` per loop pass."""
+        self._expired.append(close)
         if self._closer is None or self._closer.done():
-            self._closer = asyncio.get_running_loop().create_task(self._close_expired(), name="close-late-heads")
+            self._closer = asyncio.get_running_loop().create_task(self._close_expired(), name="close-late-requests")
 
     async def _close_expired(self) -> None:
         while self._expired:
             for _ in range(min(CLOSE_BATCH, len(self._expired))):
-                self._expired.popleft().close_late_head()
+                self._expired.popleft()()
             await asyncio.sleep(0)
 
     def protocol_class(self) -> type[GuardedHttpToolsProtocol]:
@@ -112,7 +137,7 @@ class ConnectionGuard:
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the head deadline and the connection cap of ``guard``."""
+    """uvicorn's httptools protocol with the head and body deadlines and the connection cap of ``guard``."""
 
     guard: ClassVar[ConnectionGuard]
 
@@ -120,6 +145,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._head_deadline: asyncio.TimerHandle | None = None
         self._head_started = False
+        self._body_deadline: asyncio.TimerHandle | None = None
         self._drop_deadline: asyncio.TimerHandle | None = None
 
     # ---- the connection's life -----------------------------------------------------------------------------------
@@ -138,6 +164,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_deadline()
+        self._disarm_body_deadline()
         self._disarm_drop_deadline()
         self.guard.forget(self)
         super().connection_lost(exc)
@@ -147,7 +174,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm_head_deadline()
         self.transport.close()
 
-    # ---- request heads (httptools parser callbacks) ----------------------------------------------------------------
+    def evict_mid_body(self) -> None:
+        """Closed to make room for a new connection: its request's body was still arriving."""
+        self._disarm_body_deadline()
+        self._answer_unread_request(
+            TooManyConnections(
+                f"the request body was still arriving when the gateway, holding {self.guard.max_connections} client "
+                "connections, needed room for a new one",
+                setting="GATEWAY_MAX_CLIENT_CONNECTIONS",
+                limit=self.guard.max_connections,
+            )
+        )
+
+    # ---- request heads and bodies (httptools parser callbacks) -----------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_started = True
@@ -157,14 +196,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_head_deadline()
         self._head_started = False
-        self.guard.busy(self)
+        self.guard.receiving(self)
         super().on_headers_complete()
+        # A request without a body completes in the same parser pass (on_message_complete disarms this at once).
+        self._body_deadline = self.loop.call_later(self.guard.body_timeout_s, self._body_deadline_passed)
 
     def on_message_complete(self) -> None:
+        self._disarm_body_deadline()
         self._disarm_drop_deadline()
+        self.guard.busy(self)
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        self._disarm_body_deadline()  # answered: what is left of the body is dropped, under the drop deadline
         if self.cycle.more_body and not self.transport.is_closing():
             # Answered before its body ended (a 413): the rest is read and dropped, for a while.
             self._drop_deadline = self.loop.call_later(self.guard.header_timeout_s, self.transport.close)
@@ -178,12 +222,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_deadline_passed(self) -> None:
         self._head_deadline = None
-        self.guard.head_deadline_passed(self)
+        self.guard.deadline_passed(self.close_late_head)
+
+    def _body_deadline_passed(self) -> None:
+        self._body_deadline = None
+        self.guard.deadline_passed(self.close_late_body)
 
     def _disarm_head_deadline(self) -> None:
         if self._head_deadline is not None:
             self._head_deadline.cancel()
             self._head_deadline = None
+
+    def _disarm_body_deadline(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
 
     def _disarm_drop_deadline(self) -> None:
         if self._drop_deadline is not None:
@@ -209,6 +262,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 limit=timeout,
             )
         )
+
+    def close_late_body(self) -> None:
+        """The body deadline passed (in batches, as heads): answer 408 and close, unless the body completed, the
+        request was answered meanwhile or the connection is gone."""
+        if self.transport.is_closing() or self._body_deadline is not None or self.cycle is None:
+            return
+        if not self.cycle.more_body or self.cycle.response_complete:  # complete, or answered early (the drop deadline)
+            return
+        self.guard.closed["body_timeout"] += 1
+        timeout = self.guard.body_timeout_s
+        self._answer_unread_request(
+            BodyTimeout(
+                f"the request body was not complete within {timeout:g} s of its head",
+                setting="GATEWAY_BODY_TIMEOUT_S",
+                limit=timeout,
+            )
+        )
+
+    def _answer_unread_request(self, error: GatewayError) -> None:
+        """Close a connection whose request body never completed, with ``error`` unless its route has started a
+        response already. The route, still waiting for the body, sees the client gone (its answer goes nowhere)."""
+        if self.cycle is not None and self.cycle.response_started:
+            self.transport.close()
+        else:
+            self._close_with(error)
 
     def _close_with(self, error: GatewayError) -> None:
         self.transport.write(raw_error_response(error))

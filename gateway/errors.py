@@ -24,7 +24,8 @@ base64, numpy) are translated into it at one boundary each, with ``raise ... fro
     │   ├── TooManySessions             429 too_many_sessions    the store is at max_sessions
     │   ├── StoreFull                   507 store_full           the sessions hold max_stored_bytes
     │   ├── TooManyConnections          503 too_many_connections max_client_connections open, none idle
-    │   └── HeaderTimeout               408 header_timeout       the request head did not arrive in header_timeout_s
+    │   ├── HeaderTimeout               408 header_timeout       the request head did not arrive in header_timeout_s
+    │   └── BodyTimeout                 408 body_timeout         the request body did not arrive in body_timeout_s
     └── UpstreamError                   502 upstream_error       anything wrong on the SGLang side
         ├── UpstreamProtocolError       502 upstream_protocol_error   answer that breaks docs/protocol.md
         │   └── ReplayDataDropped       502 replay_data_dropped  asked for routing / top-p, got none
@@ -196,6 +197,11 @@ class UpstreamError(GatewayError):
 
 class UpstreamProtocolError(UpstreamError):
     error_type = "upstream_protocol_error"
+
+
+class BodyTimeout(LimitExceeded):
+    status_code = 408
+    error_type = "body_timeout"
 
 
 class ReplayDataDropped(UpstreamProtocolError):

@@ -11,7 +11,7 @@ import logging
 import uuid
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -59,7 +59,9 @@ class InternalErrorMiddleware:
     nothing of the gateway's internals; the log gets the traceback under a reference the caller also gets.
 
     A ``GatewayError`` that escaped a middleware is rendered as itself. When the response has started (a stream),
-    nothing can be sent any more: the exception is logged and uvicorn closes the connection.
+    nothing can be sent any more: the exception is logged and uvicorn closes the connection. A client that hung up
+    before its body arrived (``ClientDisconnect``) is no error of the gateway's: nothing is sent or logged above
+    debug.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -78,6 +80,10 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, send_tracking)
+        except ClientDisconnect:
+            # The client hung up mid-body: there is nobody to answer, and nothing went wrong here (MetricsMiddleware
+            # counts it).
+            log.debug("%s %s: the client hung up before its request was answered", scope["method"], scope["path"])
         except Exception as exc:
             error = exc if isinstance(exc, GatewayError) else self._internal_error(scope, exc)
             if not started:

@@ -12,10 +12,13 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import GatewayError, UpstreamError
 
+# nginx's status for a request whose client closed the connection before the answer: no response was sent.
+CLIENT_CLOSED_REQUEST = 499
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 DECODE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -71,6 +74,13 @@ class GatewayMetrics:
             ["mode", "finish"],
             registry=r,
         )
+        self.client_disconnected = Counter(
+            "gateway_client_disconnected",
+            "Requests whose client hung up before they were answered (its body cut short, or gone while the gateway "
+            "worked): nothing could be sent; counted as status 499 in gateway_requests",
+            ["route", "method"],
+            registry=r,
+        )
         self.chat_drift = Counter(
             "gateway_chat_drift",
             "Chat requests whose history disagreed with their session's record, by the policy applied",
@@ -123,8 +133,8 @@ class _ConnectionCollector(Collector):
         yield GaugeMetricFamily("gateway_client_connections", "Client connections open", value=self._open())
         closed = CounterMetricFamily(
             "gateway_client_connections_closed",
-            "Client connections the gateway closed: head not complete in time, evicted for a new one at the cap, "
-            "refused at the cap",
+            "Client connections the gateway closed: head or body not complete in time, evicted for a new one at the "
+            "cap (idle, or mid-body), refused at the cap",
             labels=["reason"],
         )
         for reason, count in self._closed().items():
@@ -152,8 +162,16 @@ class MetricsMiddleware:
 
         try:
             await self.app(scope, receive, send_and_record)
+        except ClientDisconnect:
+            status = CLIENT_CLOSED_REQUEST
+            self.metrics.client_disconnected.labels(_route(scope), scope["method"]).inc()
+            raise
         finally:
-            route = getattr(scope.get("route"), "path", "unmatched")
+            route = _route(scope)
             method = scope["method"]
             self.metrics.requests.labels(route, method, str(status)).inc()
             self.metrics.request_seconds.labels(route, method).observe(time.perf_counter() - started)
+
+
+def _route(scope: Scope) -> str:
+    return getattr(scope.get("route"), "path", "unmatched")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Service
+from conftest import Service, run_simulator
 from procs import REPO_ROOT, RunningProcess, free_port, start_process
 
 HALF_OPEN = REPO_ROOT / "tests" / "halfopen.py"
@@ -199,32 +199,165 @@ def test_slow_complete_head_is_served_and_kept_alive_idle_is_not_cut(quick_deadl
 
 
 # ---- the cap ---------------------------------------------------------------------------------------------------------
-def test_cap_evicts_idle_connections_and_refuses_only_when_all_are_busy(simulator: Service) -> None:
+POST_HEAD = b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+PARTIAL_BODY = b'{"prompt_ids": [1, 2, '
+
+
+def stall_body(address: tuple[str, int], path: bytes = b"/v1/sessions") -> socket.socket:
+    """A connection whose request head is complete and whose body stops after a few of its 1,000 bytes."""
+    sock = socket.create_connection(address)
+    sock.sendall(POST_HEAD.replace(b"/v1/sessions", path, 1) + PARTIAL_BODY)
+    return sock
+
+
+def error_of(received: bytes) -> tuple[int, dict[str, object]]:
+    head, body = received.split(b"\r\n\r\n", 1)
+    assert b"connection: close" in head.lower()
+    return int(head.split(b" ")[1]), json.loads(body)["error"]
+
+
+def test_cap_evicts_idle_then_mid_body_connections_and_refuses_only_when_all_are_busy() -> None:
     cap = 16
-    env = {"GATEWAY_MAX_CLIENT_CONNECTIONS": str(cap), "GATEWAY_HEADER_TIMEOUT_S": "30"}
-    with gateway_process(simulator.url, env) as gateway:
+    env = {"GATEWAY_MAX_CLIENT_CONNECTIONS": str(cap), "GATEWAY_HEADER_TIMEOUT_S": "30", "GATEWAY_BODY_TIMEOUT_S": "30"}
+    # An upstream of its own that holds every /generate for 30 s: whole requests in flight.
+    with run_simulator() as sim, gateway_process(sim.url, env) as gateway:
+        httpx.post(f"{sim.url}/sim/faults", json={"mode": "delay", "count": -1, "delay_s": 30}).raise_for_status()
         address = ("127.0.0.1", gateway.port)
         idle = [socket.create_connection(address) for _ in range(cap)]
         assert max(health_latencies(gateway.url, 3)) < 0.1  # each /health evicted the longest-idle connection
-        busy = [socket.create_connection(address) for _ in range(cap)]  # these evict the remaining idle ones
-        for sock in busy:  # a head whose body never comes: a request in flight, not evictable
-            sock.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+        stalled = [stall_body(address) for _ in range(cap)]  # these evict the remaining idle ones
         time.sleep(0.3)
         for sock in idle:
             assert read_until_closed(sock, 2)[0] == b""
+        # Every connection is mid-body now: a new caller still gets in, at the expense of the oldest stalled body.
+        assert max(health_latencies(gateway.url, 3)) < 0.1
+        status, error = error_of(read_until_closed(stalled[0], 2)[0])
+        assert status == 503 and error["type"] == "too_many_connections" and error["limit"] == cap
+        request = b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}'
+        busy = [socket.create_connection(address) for _ in range(cap)]  # whole requests: they evict the stalled
+        for sock in busy:
+            sock.sendall(
+                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(request), request)
+            )
+        time.sleep(0.3)
+        for sock in stalled[1:]:  # (the next /health calls may have evicted the one before them instead: idle)
+            assert error_of(read_until_closed(sock, 2)[0])[1]["type"] == "too_many_connections"
         with socket.create_connection(address) as refused:
-            received, _ = read_until_closed(refused, 2)
-        head, body = received.split(b"\r\n\r\n", 1)
-        assert head.startswith(b"HTTP/1.1 503 ")
-        error = json.loads(body)["error"]
-        assert error["type"] == "too_many_connections" and error["limit"] == cap
-        busy.pop().close()  # a request ends: room again
+            status, error = error_of(read_until_closed(refused, 2)[0])
+        assert status == 503 and error["type"] == "too_many_connections" and error["limit"] == cap
+        busy.pop().close()  # a request ends (its client left): room again
         time.sleep(0.2)
         assert max(health_latencies(gateway.url, 1)) < 0.1
         closed = scrape(gateway.url)
-        for sock in idle + busy:
+        for sock in idle + stalled + busy:
             sock.close()
-    assert closed["refused"] == 1 and closed["evicted"] >= cap
+    assert closed["refused"] == 1 and closed["evicted"] >= cap - 3 and closed["evicted_mid_body"] == cap
+
+
+# ---- the body deadline -----------------------------------------------------------------------------------------------
+BODY_TIMEOUT_S = 2.0
+
+
+def request_metrics(url: str) -> dict[tuple[str, str], float]:
+    """``gateway_requests_total`` by (route, status), and ``gateway_client_disconnected_total`` by route under the
+    status ``"disconnected"``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == "gateway_requests_total":
+                out[(sample.labels["route"], sample.labels["status"])] = sample.value
+            elif sample.name == "gateway_client_disconnected_total":
+                out[(sample.labels["route"], "disconnected")] = sample.value
+    return out
+
+
+def test_sixteen_stalled_bodies_leave_health_up_and_are_cut_at_the_body_deadline(simulator: Service) -> None:
+    cap = 16
+    env = {"GATEWAY_MAX_CLIENT_CONNECTIONS": str(cap), "GATEWAY_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)}
+    with gateway_process(simulator.url, env, log_level="info") as gateway:
+        address = ("127.0.0.1", gateway.port)
+        paths = (b"/v1/sessions", b"/generate", b"/v1/sessions/s/append", b"/v1/samples")
+        stalled = [stall_body(address, paths[i % len(paths)]) for i in range(cap)]
+        opened_at = time.monotonic()
+        time.sleep(0.2)
+        # Each evicts the oldest stalled body, or the connection of the /health before it if the gateway has not
+        # seen that one close yet (an idle connection goes first).
+        latencies = health_latencies(gateway.url, 4)
+        answers = [(read_until_closed(sock, BODY_TIMEOUT_S + 5)[0], time.monotonic() - opened_at) for sock in stalled]
+        closed = scrape(gateway.url)
+        requests = request_metrics(gateway.url)
+        output = gateway.output()
+        for sock in stalled:
+            sock.close()
+    assert max(latencies) < 0.1
+    evicted = 0
+    for received, closed_after_s in answers:
+        status, error = error_of(received)
+        if error["type"] == "too_many_connections":
+            evicted += 1
+            continue
+        assert status == 408 and error["type"] == "body_timeout"
+        assert error["setting"] == "GATEWAY_BODY_TIMEOUT_S" and error["limit"] == BODY_TIMEOUT_S
+        assert BODY_TIMEOUT_S * 0.9 < closed_after_s < BODY_TIMEOUT_S + 2
+    assert error_of(answers[0][0])[1]["type"] == "too_many_connections" and 1 <= evicted <= 4
+    assert closed["body_timeout"] == cap - evicted and closed["evicted_mid_body"] == evicted
+    # The routes that waited for those bodies saw their client go: no 500, no traceback.
+    assert not any(status == "500" for _, status in requests), requests
+    assert sum(count for (_, status), count in requests.items() if status == "disconnected") == cap
+    assert "Traceback" not in output and "internal_error" not in output
+
+
+def test_a_trickling_body_is_cut_at_the_deadline_from_its_head(simulator: Service) -> None:
+    env = {"GATEWAY_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)}
+    with gateway_process(simulator.url, env) as gateway, socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+        sock.sendall(POST_HEAD)
+        started = time.monotonic()
+        sock.settimeout(0.25)
+        received = b""
+        while not received and time.monotonic() - started < BODY_TIMEOUT_S + 5:
+            try:
+                sock.sendall(b" ")  # one byte of whitespace each quarter second: never idle, never done
+                received = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        took = time.monotonic() - started
+    status, error = error_of(received)
+    assert status == 408 and error["type"] == "body_timeout"
+    assert BODY_TIMEOUT_S * 0.9 < took < BODY_TIMEOUT_S + 1.5
+
+
+def test_a_body_in_time_is_served_and_the_connection_kept(simulator: Service) -> None:
+    env = {"GATEWAY_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)}
+    body = b'{"prompt_ids": [1, 2, 3]}'
+    with gateway_process(simulator.url, env) as gateway, socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+        for _ in range(2):
+            sock.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+            time.sleep(BODY_TIMEOUT_S / 2)
+            sock.sendall(body)
+            assert read_response(sock).startswith(b"HTTP/1.1 201 ")
+            time.sleep(BODY_TIMEOUT_S * 0.75)  # the deadlines of the two requests add up past one: each has its own
+
+
+# ---- client hang-ups -------------------------------------------------------------------------------------------------
+def test_a_client_that_hangs_up_mid_body_is_no_error(simulator: Service) -> None:
+    with gateway_process(simulator.url, {}, log_level="info") as gateway:
+        sid = httpx.post(f"{gateway.url}/v1/sessions", json={"prompt_ids": [1, 2]}).json()["session_id"]
+        paths = (b"/v1/sessions", b"/generate", f"/v1/sessions/{sid}/append".encode(), b"/v1/samples")
+        for path in paths:
+            stall_body(("127.0.0.1", gateway.port), path).close()
+        time.sleep(0.3)
+        requests = request_metrics(gateway.url)
+        output = gateway.output()
+        view = httpx.get(f"{gateway.url}/v1/sessions/{sid}").json()
+    assert not any(status == "500" for _, status in requests), requests
+    for route in ("/v1/sessions", "/generate", "/v1/sessions/{session_id}/append", "/v1/samples"):
+        assert requests[(route, "499")] == 1 and requests[(route, "disconnected")] == 1, requests
+    assert "Traceback" not in output and "ERROR" not in output, output
+    assert view["total_tokens"] == 2  # the half-sent append changed nothing
 
 
 # ---- the open-files limit --------------------------------------------------------------------------------------------

@@ -67,18 +67,15 @@ class Forward:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = await self.prepare(scope, receive)
-        if response is not None:
-            await response(scope, receive, send)
+        await response(scope, receive, send)
 
-    async def prepare(self, scope: Scope, receive: Receive) -> Response | None:
-        """Forward the request; the response to send (None: the client left before its body arrived).
-        ``GatewayError`` (upstream unreachable, slow, gone) is raised before anything was sent."""
+    async def prepare(self, scope: Scope, receive: Receive) -> Response:
+        """Forward the request; the response to send. ``GatewayError`` (upstream unreachable, slow, gone) is raised
+        before anything was sent; ``ClientDisconnect`` when the client left before its body arrived (nothing went
+        upstream)."""
         scope["route"] = self
         state: GatewayState = scope["app"].state.gateway
-        try:
-            body = await read_body(receive)
-        except ClientDisconnect:
-            return None
+        body = await read_body(receive)
         target = scope["path"].encode()
         if scope["query_string"]:
             target += b"?" + scope["query_string"]
@@ -127,7 +124,6 @@ class PassthroughMiddleware:
                     response = await route.prepare(scope, receive)
                 except GatewayError as exc:
                     response = await self.on_error(Request(scope, receive), exc)
-                if response is not None:
-                    await response(scope, receive, send)
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
