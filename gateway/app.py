@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 
 from gateway import __version__
 from gateway.auth import HEALTH_PATH, METRICS_PATH, AuthMiddleware, KeyRing
-from gateway.chat.service import ChatService
+from gateway.chat.service import ChatService, ChatSettings
 from gateway.chat.template import ChatTemplate
 from gateway.config import Settings, stored_bytes_limit
 from gateway.connections import ConnectionGuard
@@ -141,12 +141,25 @@ def load_chat(settings: Settings) -> ChatService:
     stated = getattr(template.tokenizer, "model_max_length", None)
     if context is None and isinstance(stated, int) and stated < _NO_STATED_CONTEXT:
         context = stated
-    return ChatService(
-        template,
+    chosen = ChatSettings(
         tool_parser=settings.chat_tool_parser,
+        reasoning_parser=settings.chat_reasoning_parser,
         drift_policy=settings.chat_drift_policy,
+        rewrite_policy=settings.chat_rewrite_policy,
         context_tokens=context,
+        default_max_tokens=settings.chat_default_max_tokens,
     )
+    log.info(
+        "chat: tool parser %s, reasoning parser %s, drift policy %s, rewrite policy %s, context %s tokens, default "
+        "answer length %s",
+        chosen.tool_parser,
+        chosen.reasoning_parser,
+        chosen.drift_policy,
+        chosen.rewrite_policy,
+        "unknown" if context is None else context,
+        chosen.default_max_tokens or "the context left",
+    )
+    return ChatService(template, chosen)
 
 
 async def _expire_idle_sessions(state: GatewayState) -> None:
@@ -165,7 +178,12 @@ async def _gateway_error(request: Request, exc: Exception) -> Response:
     request.app.state.gateway.metrics.record_error(exc)
     if exc.status_code >= 500:
         log.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status_code, exc.error_type, exc)
-    return error_response(exc)
+    body = chat.api_error_body(request.url.path, exc)  # under a chat API's prefix: in that API's shape
+    if body is None:
+        return error_response(exc)
+    response = json_response(body, status_code=exc.status_code)
+    response.headers.update(exc.response_headers())
+    return response
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -124,7 +124,28 @@ class Settings(BaseSettings):
         "OpenAI and Anthropic chat routes; read locally, never downloaded",
     )
     chat_tool_parser: Literal["hermes"] = Field(
-        "hermes", description="how tool calls are read from completions (hermes: <tool_call>{json}</tool_call>)"
+        "hermes",
+        description="how tool calls are read from completions, by SGLang's --tool-call-parser name (hermes: "
+        "<tool_call>{json}</tool_call>)",
+    )
+    chat_reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = Field(
+        "none",
+        description="how a reasoning model's <think>...</think> is read from completions, by SGLang's "
+        "--reasoning-parser name: returned as reasoning_content (OpenAI chat), thinking blocks (Anthropic), reasoning "
+        "items (Responses); none: the completion is all content",
+    )
+    chat_rewrite_policy: Literal["append", "fork"] = Field(
+        "append",
+        description="a chat template that renders earlier turns differently once new messages follow (Qwen3-style "
+        "templates drop earlier reasoning): append (the session's tokens, then the new messages as the template "
+        "renders them after the history; one trajectory) or fork (the conversation re-rendered as the template "
+        "renders it now, on a new branch)",
+    )
+    chat_default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the answer's length when a chat request names none (OpenAI's max_tokens, the Responses API's "
+        "max_output_tokens); unset: the context left (8192 when the context length is unknown)",
     )
     chat_drift_policy: Literal["fork", "reject"] = Field(
         "fork",

@@ -10,6 +10,7 @@ base64, numpy) are translated into it at one boundary each, with ``raise ... fro
     ├── ChatNotConfigured               501 chat_not_configured  a chat route on a gateway started without a tokenizer
     ├── Unauthorized                    401 unauthorized         no / malformed / wrong API key
     ├── SessionNotFound                 404 session_not_found
+    ├── PreviousResponseNotFound        404 previous_response_not_found  the Responses API continues an unknown id
     ├── SessionConflict                 409 session_conflict
     │   ├── SessionExists               409 session_exists       create with an id already taken
     │   ├── SessionBusy                 409 session_busy         a turn is already running on it
@@ -72,8 +73,16 @@ class ChatTemplateError(InvalidRequest):
 
 
 class ContextLengthExceeded(InvalidRequest):
+    """The conversation (``prompt_tokens``) and the answer asked for (``max_tokens``, None when the prompt alone is
+    too long) do not fit the model's context (``context_tokens``); each chat API words it its own way."""
+
     status_code = 400
     error_type = "context_length_exceeded"
+
+
+class PreviousResponseNotFound(GatewayError):
+    status_code = 404
+    error_type = "previous_response_not_found"
 
 
 class ChatNotConfigured(GatewayError):

@@ -70,8 +70,8 @@ class GatewayMetrics:
         self.folded_tokens = Counter("gateway_folded_tokens", "Tokens folded into sessions", ["trainable"], registry=r)
         self.chat_turns = Counter(
             "gateway_chat_turns",
-            "Chat completions (OpenAI / Anthropic routes), by mode and finish",
-            ["mode", "finish"],
+            "Chat turns (OpenAI chat, Anthropic messages, OpenAI responses), by API, mode and finish",
+            ["api", "mode", "finish"],
             registry=r,
         )
         self.client_disconnected = Counter(
@@ -83,8 +83,16 @@ class GatewayMetrics:
         )
         self.chat_drift = Counter(
             "gateway_chat_drift",
-            "Chat requests whose history disagreed with their session's record, by the policy applied",
-            ["policy"],
+            "Chat requests that did not simply extend a branch's record, by cause: edited_history (forked from a "
+            "message the model wrote), new_root (nothing in common: a new root branch), rewrite (the template renders "
+            "earlier messages differently once new ones follow)",
+            ["cause"],
+            registry=r,
+        )
+        self.chat_tool_parse_failures = Counter(
+            "gateway_chat_tool_parse_failures",
+            "Completions with tool-call markup the tool parser could not read (returned as the model's text)",
+            ["parser"],
             registry=r,
         )
 

@@ -342,7 +342,7 @@ def test_an_edited_tool_result_forks_a_branch_from_the_models_last_message(
     history = run_two_turns(chat_gateway, chat_sim, sid)
     before = sample(chat_gateway, sid)
     first_reply_end = view(chat_gateway, sid)["chat"]["messages"][1]["generated_until_token"]
-    drift_before = metric(chat_gateway, 'gateway_chat_drift_total{policy="fork"}')
+    drift_before = metric(chat_gateway, 'gateway_chat_drift_total{cause="edited_history"}')
 
     edited = [*history[:2], {**history[2], "content": "raining"}]  # the tool said something else this time
     script(chat_sim, sid, "Take an umbrella.")
@@ -361,7 +361,7 @@ def test_an_edited_tool_result_forks_a_branch_from_the_models_last_message(
     assert state["prompt_length"] == first_reply_end
     np.testing.assert_array_equal(live["tokens"][:first_reply_end], before["tokens"][:first_reply_end])
     np.testing.assert_array_equal(sample(chat_gateway, sid, branch=0)["tokens"], before["tokens"])
-    assert metric(chat_gateway, 'gateway_chat_drift_total{policy="fork"}') == drift_before + 1
+    assert metric(chat_gateway, 'gateway_chat_drift_total{cause="edited_history"}') == drift_before + 1
 
     group = httpx.post(f"{chat_gateway.url}/v1/samples", json={"session_ids": [sid]})
     assert group.status_code == 200

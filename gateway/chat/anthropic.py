@@ -1,14 +1,22 @@
 """The Anthropic Messages API over a session: its request, answer, stream events and error shape.
 
-``POST /v1/sessions/{id}/v1/messages``, the path an unmodified Anthropic client calls with
-``base_url="{gateway}/v1/sessions/{id}"``. Content blocks map onto the common messages (``gateway.chat.messages``):
-``text`` blocks are content, an assistant's ``tool_use`` blocks its tool calls, a user's ``tool_result`` blocks one
-tool message each (before the user's own text, as the API orders them). Images, documents and extended thinking are
-refused.
+``POST /v1/sessions/{id}/v1/messages`` (and ``.../v1/messages/count_tokens``), the paths an unmodified Anthropic
+client calls with ``base_url="{gateway}/v1/sessions/{id}"``. Content blocks map onto the common messages
+(``gateway.chat.messages``): ``text`` blocks are content; an assistant's ``thinking`` blocks its reasoning and its
+``tool_use`` blocks its tool calls; a user's ``tool_result`` blocks one tool message each (before the user's own text,
+as the API orders them; ``is_error`` kept). ``system`` messages inside ``messages`` (Claude Code sends them) stand
+where they are. Images and documents are refused (the served model reads text).
+
+``thinking`` (``enabled``, ``adaptive``, ``disabled``) is accepted: with a reasoning parser configured the model's
+reasoning comes back as ``thinking`` blocks when thinking is on; otherwise the answer is the model's text. Server
+tools (``web_search_*``, ``code_execution_*``, ...) are hosted by Anthropic and cannot be called here: they are left
+out of the prompt (logged once). ``metadata``, ``context_management``, ``output_config``, ``service_tier`` and
+``cache_control`` change nothing here and are ignored.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
@@ -19,8 +27,8 @@ from gateway.chat.api import (
     MAX_TOOLS,
     ApiModel,
     ChatRequestError,
+    HostedTools,
     Number,
-    check_history,
     error_status,
     validation_error,
 )
@@ -37,6 +45,10 @@ class TextBlock(ApiModel):
     text: StrictStr
 
 
+class MediaBlock(ApiModel):
+    type: Literal["image", "document", "search_result"]
+
+
 class ToolUseBlock(ApiModel):
     type: Literal["tool_use"]
     id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
@@ -44,23 +56,48 @@ class ToolUseBlock(ApiModel):
     input: dict[str, Any]
 
 
+class ToolReferenceBlock(ApiModel):
+    """A tool search's result (Claude Code's ToolSearch): which deferred tool it loaded."""
+
+    type: Literal["tool_reference"]
+    tool_name: StrictStr
+
+
+ToolResultPart = Annotated[TextBlock | MediaBlock | ToolReferenceBlock, Field(discriminator="type")]
+
+
 class ToolResultBlock(ApiModel):
     type: Literal["tool_result"]
     tool_use_id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
-    content: StrictStr | list[TextBlock] = ""
+    content: StrictStr | Annotated[list[ToolResultPart], Field(max_length=1024)] = ""
     is_error: StrictBool = False
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(ApiModel):
+    type: Literal["thinking"]
+    thinking: StrictStr
+    signature: StrictStr | None = None
+
+
+class RedactedThinkingBlock(ApiModel):
+    type: Literal["redacted_thinking"]
+    data: StrictStr = ""
+
+
+Block = Annotated[
+    TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
 
 
 class MessageIn(ApiModel):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: StrictStr | Annotated[list[Block], Field(max_length=1024)]
 
 
 class ToolIn(ApiModel):
     name: Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    type: StrictStr | None = None  # "custom" (or none): the client's own tool; anything else: a server tool
     description: StrictStr = ""
     input_schema: dict[str, Any] = Field(default_factory=dict)
 
@@ -68,62 +105,91 @@ class ToolIn(ApiModel):
 class ToolChoiceIn(ApiModel):
     type: Literal["auto", "any", "tool", "none"]
     name: StrictStr | None = None
+    disable_parallel_tool_use: StrictBool = False
 
 
-class MessagesRequest(ApiModel):
-    max_tokens: Annotated[StrictInt, Field(ge=1)]
+class ThinkingIn(ApiModel):
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+
+
+class CountTokensRequest(ApiModel):
     messages: Annotated[list[MessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
     model: StrictStr | None = None
     system: StrictStr | list[TextBlock] | None = None
     tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoiceIn | None = None
+    thinking: ThinkingIn | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: Annotated[StrictInt, Field(ge=1)]
     temperature: Annotated[Number, Field(ge=0, le=1)] | None = None
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=1)] | None = None
     stop_sequences: Annotated[list[StrictStr], Field(max_length=16)] | None = None
     stream: StrictBool = False
-    thinking: dict[str, Any] | None = None
 
 
-def parse_request(raw: bytes) -> ChatRequest:
+def parse_request(raw: bytes, hosted: HostedTools | None = None) -> ChatRequest:
     try:
         body = MessagesRequest.model_validate_json(raw or b"{}")
     except ValidationError as exc:
         raise validation_error(exc) from None
-    return to_chat_request(body)
+    return to_chat_request(body, hosted)
 
 
-def to_chat_request(body: MessagesRequest) -> ChatRequest:
-    if body.thinking is not None and body.thinking.get("type") != "disabled":
-        raise ChatRequestError("extended thinking is not supported")
-    tools = tuple(Tool(t.name, t.description, t.input_schema) for t in body.tools or ())
+def parse_count_request(raw: bytes, hosted: HostedTools | None = None) -> ChatRequest:
+    try:
+        body = CountTokensRequest.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    return to_chat_request(body, hosted)
+
+
+def to_chat_request(body: CountTokensRequest, hosted: HostedTools | None = None) -> ChatRequest:
+    tools = _tools(body.tools or (), hosted)
     names = {t.name for t in tools}
     if len(names) != len(tools):
-        raise ChatRequestError("tools: names must be unique")
+        raise ChatRequestError("tools: names must be unique", param="tools")
     messages: list[ChatMessage] = []
     if body.system:
         messages.append(ChatMessage("system", _text(body.system)))
     for i, message in enumerate(body.messages):
         messages.extend(_messages(message, i))
-    history = tuple(messages)
-    check_history(history)
-    params: dict[str, Any] = {"max_new_tokens": body.max_tokens}
-    for key, value in (
-        ("temperature", body.temperature),
-        ("top_p", body.top_p),
-        ("top_k", body.top_k),
-        ("stop", body.stop_sequences),
-    ):
-        if value is not None:
-            params[key] = value
+    params: dict[str, Any] = {}
+    if isinstance(body, MessagesRequest):
+        for key, value in (
+            ("temperature", body.temperature),
+            ("top_p", body.top_p),
+            ("top_k", body.top_k),
+            ("stop", body.stop_sequences),
+        ):
+            if value is not None:
+                params[key] = value
+    thinking = body.thinking is not None and body.thinking.type != "disabled"
     return ChatRequest(
-        messages=history,
+        messages=tuple(messages),
         tools=tools,
         tool_choice=_tool_choice(body.tool_choice, names),
         sampling_params=params,
-        stream=body.stream,
+        max_tokens=body.max_tokens if isinstance(body, MessagesRequest) else None,
+        stream=isinstance(body, MessagesRequest) and body.stream,
         model=body.model,
+        api="anthropic",
+        options={"thinking": thinking},
     )
+
+
+def _tools(tools: Any, hosted: HostedTools | None) -> tuple[Tool, ...]:
+    out = []
+    for tool in tools:
+        if tool.type not in (None, "custom"):
+            if hosted is not None:
+                hosted.left_out("anthropic", tool.type)
+            continue
+        out.append(Tool(tool.name, tool.description, tool.input_schema))
+    return tuple(out)
 
 
 def _text(content: str | list[TextBlock]) -> str:
@@ -133,35 +199,70 @@ def _text(content: str | list[TextBlock]) -> str:
 def _messages(message: MessageIn, i: int) -> list[ChatMessage]:
     if isinstance(message.content, str):
         return [ChatMessage(message.role, message.content)]
+    for j, block in enumerate(message.content):
+        if isinstance(block, MediaBlock):
+            raise ChatRequestError(
+                f"messages.{i}.content.{j}: {block.type} blocks are not supported: the served model reads text",
+                param=f"messages.{i}.content.{j}",
+            )
     texts = [b.text for b in message.content if isinstance(b, TextBlock)]
     uses = [b for b in message.content if isinstance(b, ToolUseBlock)]
     results = [b for b in message.content if isinstance(b, ToolResultBlock)]
+    thinking = [b.thinking for b in message.content if isinstance(b, ThinkingBlock)]
     if message.role == "assistant":
         if results:
-            raise ChatRequestError(f"messages.{i}: tool_result blocks belong in user messages")
+            raise ChatRequestError(f"messages.{i}: tool_result blocks belong in user messages", param=f"messages.{i}")
         calls = tuple(ToolCall(b.id, b.name, orjson.dumps(b.input).decode()) for b in uses)
-        return [ChatMessage("assistant", "\n".join(texts), calls)]
-    if uses:
-        raise ChatRequestError(f"messages.{i}: tool_use blocks belong in assistant messages")
-    out = [ChatMessage("tool", _text(b.content), tool_call_id=b.tool_use_id) for b in results]
+        reasoning = "\n".join(thinking) if thinking else None
+        return [ChatMessage("assistant", "\n".join(texts), calls, reasoning=reasoning)]
+    if uses or thinking:
+        kind = "tool_use" if uses else "thinking"
+        raise ChatRequestError(f"messages.{i}: {kind} blocks belong in assistant messages", param=f"messages.{i}")
+    if message.role == "system":
+        if results:
+            raise ChatRequestError(f"messages.{i}: tool_result blocks belong in user messages", param=f"messages.{i}")
+        return [ChatMessage("system", "\n".join(texts))]
+    out = [ChatMessage("tool", _result_text(b, i), tool_call_id=b.tool_use_id, is_error=b.is_error) for b in results]
     if texts or not results:
         out.append(ChatMessage("user", "\n".join(texts)))
     return out
+
+
+def _result_text(block: ToolResultBlock, i: int) -> str:
+    if isinstance(block.content, str):
+        return block.content
+    parts = []
+    for part in block.content:
+        if isinstance(part, MediaBlock):
+            raise ChatRequestError(
+                f"messages.{i}: a tool_result with {part.type} content is not supported: the served model reads text",
+                param=f"messages.{i}",
+            )
+        parts.append(part.text if isinstance(part, TextBlock) else f"Tool {part.tool_name} is now available.")
+    return "\n".join(parts)
 
 
 def _tool_choice(choice: ToolChoiceIn | None, names: set[str]) -> str:
     if choice is None:
         return "auto" if names else "none"
     if choice.type != "none" and not names:
-        raise ChatRequestError(f"tool_choice {choice.type!r} needs tools")
+        # Anthropic accepts "auto" without tools; nothing to call then.
+        if choice.type == "auto":
+            return "none"
+        raise ChatRequestError(f"tool_choice {choice.type!r} needs tools", param="tool_choice")
     if choice.type == "tool":
         if choice.name not in names:
-            raise ChatRequestError(f"tool_choice names an unknown tool {choice.name!r}")
+            raise ChatRequestError(f"tool_choice names an unknown tool {choice.name!r}", param="tool_choice")
         return choice.name
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
 # ---- answers -------------------------------------------------------------------------------------------------
+def thinking_signature(reasoning: str) -> str:
+    """A signature the gateway recognizes on a thinking block it wrote (clients must send it back unchanged)."""
+    return "sgw1." + hashlib.sha256(b"slime-gateway thinking\x00" + reasoning.encode()).hexdigest()[:48]
+
+
 def stop_reason(result: ChatResult) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence``."""
     reply = result.reply
@@ -175,8 +276,13 @@ def stop_reason(result: ChatResult) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def content_blocks(message: ChatMessage) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": message.content}] if message.content else []
+def content_blocks(message: ChatMessage, *, thinking: bool) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if thinking and message.reasoning is not None:
+        signature = thinking_signature(message.reasoning)
+        blocks.append({"type": "thinking", "thinking": message.reasoning, "signature": signature})
+    if message.content:
+        blocks.append({"type": "text", "text": message.content})
     blocks.extend(_tool_use(call) for call in message.tool_calls)
     return blocks
 
@@ -195,14 +301,14 @@ def usage_json(reply: AssistantReply) -> dict[str, Any]:
     }
 
 
-def answer_json(result: ChatResult, model: str) -> dict[str, Any]:
+def answer_json(result: ChatResult, request: ChatRequest, model: str) -> dict[str, Any]:
     reason, sequence = stop_reason(result)
     return {
         "id": f"msg_{result.reply.rid}",
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": content_blocks(result.reply.message),
+        "content": content_blocks(result.reply.message, thinking=bool(request.options.get("thinking"))),
         "stop_reason": reason,
         "stop_sequence": sequence,
         "usage": usage_json(result.reply),
@@ -210,8 +316,12 @@ def answer_json(result: ChatResult, model: str) -> dict[str, Any]:
     }
 
 
+def count_json(tokens: int) -> dict[str, Any]:
+    return {"input_tokens": tokens}
+
+
 def stream_writer(request: ChatRequest, model: str) -> EventWriter:
-    return EventWriter(model)
+    return EventWriter(model, thinking=bool(request.options.get("thinking")))
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
@@ -219,12 +329,15 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
 
 
 class EventWriter:
-    """The stream as Anthropic sends it: ``message_start``, a text block's ``content_block_*`` events, one block per
-    tool call (its input as one ``input_json_delta``), ``message_delta`` with the stop reason, ``message_stop``."""
+    """The stream as Anthropic sends it: ``message_start``, a thinking block's and a text block's
+    ``content_block_*`` events, one block per tool call (its input as one ``input_json_delta``), ``message_delta``
+    with the stop reason, ``message_stop``."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, *, thinking: bool) -> None:
         self.model = model
-        self._text_open = False
+        self.thinking = thinking
+        self._open: Literal["thinking", "text"] | None = None
+        self._reasoning: list[str] = []
         self._blocks = 0
 
     def start(self, turn: StreamTurn) -> bytes:
@@ -242,29 +355,50 @@ class EventWriter:
 
     def event(self, event: StreamEvent) -> bytes:
         out: list[bytes] = []
+        if event.reasoning and self.thinking:
+            out.append(self._delta("thinking", {"type": "thinking_delta", "thinking": event.reasoning}))
+            self._reasoning.append(event.reasoning)
         if event.text:
-            if not self._text_open:
-                out.append(self._block_start({"type": "text", "text": ""}))
-                self._text_open = True
-            delta = {"type": "text_delta", "text": event.text}
-            out.append(_event("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}))
+            out.append(self._delta("text", {"type": "text_delta", "text": event.text}))
         if event.end:
             out.append(self._end(event))
+        return b"".join(out)
+
+    def _delta(self, kind: Literal["thinking", "text"], delta: dict[str, Any]) -> bytes:
+        out = []
+        if self._open != kind:
+            if self._open is not None:
+                out.append(self._close())
+            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text"}
+            if kind == "text":
+                block["text"] = ""
+            out.append(self._block_start(block))
+            self._open = kind
+        data = {"type": "content_block_delta", "index": self._blocks, "delta": delta}
+        out.append(_event("content_block_delta", data))
         return b"".join(out)
 
     def _block_start(self, block: dict[str, Any]) -> bytes:
         data = {"type": "content_block_start", "index": self._blocks, "content_block": block}
         return _event("content_block_start", data)
 
-    def _block_stop(self) -> bytes:
+    def _close(self) -> bytes:
+        out = []
+        if self._open == "thinking":
+            signature = thinking_signature("".join(self._reasoning))
+            delta = {"type": "signature_delta", "signature": signature}
+            out.append(
+                _event("content_block_delta", {"type": "content_block_delta", "index": self._blocks, "delta": delta})
+            )
+        out.append(_event("content_block_stop", {"type": "content_block_stop", "index": self._blocks}))
         self._blocks += 1
-        return _event("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})
+        self._open = None
+        return b"".join(out)
 
     def _end(self, event: StreamEvent) -> bytes:
         out: list[bytes] = []
-        if self._text_open:
-            out.append(self._block_stop())
-            self._text_open = False
+        if self._open is not None:
+            out.append(self._close())
         if event.reply is None:
             out.append(_event("error", error_json(event.error or {})))
             return b"".join(out)
@@ -275,7 +409,8 @@ class EventWriter:
             out.append(
                 _event("content_block_delta", {"type": "content_block_delta", "index": self._blocks, "delta": delta})
             )
-            out.append(self._block_stop())
+            self._open = "text"  # any kind but thinking: closing it is a plain stop
+            out.append(self._close())
         reason = _stream_stop_reason(event.reply)
         delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None}}
         out.append(_event("message_delta", delta | {"usage": {"output_tokens": event.reply.completion_tokens}}))
@@ -307,9 +442,12 @@ def error_type(status: int) -> str:
 def error_json(error: dict[str, Any], status: int = 500) -> dict[str, Any]:
     """The gateway's error body in Anthropic's shape; ``gateway_type`` keeps the gateway's own error type."""
     gateway_type = str(error.get("type", "internal_error"))
-    kind = gateway_type if gateway_type == "invalid_request_error" else error_type(status)
-    return {"type": "error", "error": {"type": kind, "message": error.get("message", ""), "gateway_type": gateway_type}}
+    kind = "invalid_request_error" if status == 400 else error_type(status)
+    body = {"type": kind, "message": error.get("message", ""), "gateway_type": gateway_type}
+    return {"type": "error", "error": body}
 
 
 def error_body(exc: GatewayError) -> dict[str, Any]:
+    """Context overflows read as Anthropic words them (``ContextLengthExceeded``'s message is that wording), so that
+    clients which parse it (Claude Code lowers ``max_tokens`` and retries) recover."""
     return error_json(exc.to_body()["error"], error_status(exc))

@@ -1,12 +1,17 @@
-"""What the two chat APIs' adapters share: the request models' base, their bounds, the checks every chat API makes
-of a history, and how a refused request is reported (each API calls it ``invalid_request_error``, status 400)."""
+"""What the chat APIs' adapters share: the request models' base, their bounds, the checks every chat API makes of a
+history, hosted tools left out, and how a refused request is reported (each API calls it ``invalid_request_error``,
+status 400)."""
 
 from __future__ import annotations
+
+import logging
 
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
 
 from gateway.chat.messages import ChatMessage
 from gateway.errors import GatewayError
+
+log = logging.getLogger("gateway.chat")
 
 MAX_MESSAGES = 4096
 MAX_TOOLS = 256
@@ -30,6 +35,20 @@ def validation_error(exc: ValidationError) -> ChatRequestError:
     first = exc.errors(include_url=False)[0]
     where = ".".join(str(p) for p in first.get("loc", ()))
     return ChatRequestError(f"invalid request: {where}: {first.get('msg')}", param=where or None)
+
+
+class HostedTools:
+    """Tools an API's provider runs on its own servers (web search, code execution, ...): the served model cannot
+    call them here, so they are left out of the prompt. Each kind is logged once per gateway."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+
+    def left_out(self, api: str, kind: str) -> None:
+        if (api, kind) in self._seen:
+            return
+        self._seen.add((api, kind))
+        log.info("chat (%s): tools of type %r are hosted by the API's provider; left out of the prompt", api, kind)
 
 
 def check_history(messages: tuple[ChatMessage, ...]) -> None:

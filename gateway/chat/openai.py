@@ -3,7 +3,9 @@
 ``POST /v1/sessions/{id}/chat/completions``, so that an unmodified OpenAI client works with
 ``base_url="{gateway}/v1/sessions/{id}"``. Fields the API has and this gateway cannot honour are refused (``n`` > 1,
 structured ``response_format``, non-text content); fields that change nothing here (``user``, ``store``,
-``metadata``, ``parallel_tool_calls``, ...) are accepted and ignored.
+``metadata``, ``parallel_tool_calls``, ...) are accepted and ignored. With a reasoning parser configured the model's
+reasoning comes back as ``reasoning_content`` (streamed as ``delta.reasoning_content``), as SGLang's and vLLM's
+OpenAI-compatible servers return it; a client may send it back the same way (or as ``reasoning``), or drop it.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from gateway.chat.api import (
     MAX_TOOLS,
     ApiModel,
     ChatRequestError,
+    HostedTools,
     Number,
-    check_history,
     error_status,
     validation_error,
 )
 from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, Tool, ToolCall
 from gateway.chat.service import ChatResult, StreamEvent
-from gateway.errors import GatewayError
+from gateway.errors import ContextLengthExceeded, GatewayError
 
 if TYPE_CHECKING:
     from gateway.turns import StreamTurn
@@ -57,6 +59,8 @@ class MessageIn(ApiModel):
     name: Annotated[StrictStr, Field(max_length=256)] | None = None
     tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: Annotated[StrictStr, Field(max_length=256)] | None = None
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None  # vLLM's newer name for the same
 
 
 class FunctionDef(ApiModel):
@@ -100,7 +104,7 @@ class ChatCompletionRequest(ApiModel):
     logprobs: StrictBool | None = None
 
 
-def parse_request(raw: bytes) -> ChatRequest:
+def parse_request(raw: bytes, hosted: HostedTools | None = None) -> ChatRequest:
     try:
         body = ChatCompletionRequest.model_validate_json(raw or b"{}")
     except ValidationError as exc:
@@ -123,15 +127,16 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
     if len(set(names)) != len(names):
         raise ChatRequestError("tool names must be unique", param="tools")
     messages = tuple(_message(m, i) for i, m in enumerate(body.messages))
-    check_history(messages)
     return ChatRequest(
         messages=messages,
         tools=tools,
         tool_choice=_tool_choice(body, set(names)),
         sampling_params=_sampling_params(body),
+        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         stream=body.stream,
         stream_usage=body.stream_options is not None and body.stream_options.include_usage,
         model=body.model,
+        api="openai",
     )
 
 
@@ -150,12 +155,14 @@ def _message(m: MessageIn, i: int) -> ChatMessage:
     if m.tool_calls and role != "assistant":
         raise ChatRequestError(f"messages[{i}]: only assistant messages carry tool_calls", param=f"messages.{i}")
     calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
     return ChatMessage(
         role=role,  # type: ignore[arg-type]
         content=_text(m.content),
         tool_calls=calls,
         tool_call_id=m.tool_call_id if role == "tool" else None,
         name=m.name,
+        reasoning=reasoning if role == "assistant" else None,
     )
 
 
@@ -179,12 +186,10 @@ def _tool_choice(body: ChatCompletionRequest, names: set[str]) -> str:
 
 def _sampling_params(body: ChatCompletionRequest) -> dict[str, Any]:
     params: dict[str, Any] = {}
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     for key, value in (
         ("temperature", body.temperature),
         ("top_p", body.top_p),
         ("top_k", body.top_k),
-        ("max_new_tokens", max_tokens),
         ("stop", [body.stop] if isinstance(body.stop, str) else body.stop),
         ("sampling_seed", body.seed),
         ("frequency_penalty", body.frequency_penalty),
@@ -205,6 +210,8 @@ def completion_id(reply: AssistantReply) -> str:
 
 def message_json(message: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "assistant", "content": message.content or None}
+    if message.reasoning is not None:
+        out["reasoning_content"] = message.reasoning
     if message.tool_calls:
         out["tool_calls"] = [_tool_call_json(c) for c in message.tool_calls]
     return out
@@ -223,7 +230,7 @@ def usage_json(reply: AssistantReply) -> dict[str, Any]:
     }
 
 
-def answer_json(result: ChatResult, model: str) -> dict[str, Any]:
+def answer_json(result: ChatResult, request: ChatRequest, model: str) -> dict[str, Any]:
     reply = result.reply
     return {
         "id": completion_id(reply),
@@ -272,7 +279,9 @@ class ChunkWriter:
         return self.chunk({"role": "assistant", "content": ""})
 
     def event(self, event: StreamEvent) -> bytes:
-        out = [self.chunk({"content": event.text})] if event.text else []
+        out = [self.chunk({"reasoning_content": event.reasoning})] if event.reasoning else []
+        if event.text:
+            out.append(self.chunk({"content": event.text}))
         if event.end:
             out.append(self._end(event))
         return b"".join(out)
@@ -321,4 +330,22 @@ def openai_error_json(error: dict[str, Any], status: int = 500) -> dict[str, Any
 
 
 def error_body(exc: GatewayError) -> dict[str, Any]:
-    return {"error": openai_error_json(exc.to_body()["error"], error_status(exc))}
+    body = openai_error_json(exc.to_body()["error"], error_status(exc))
+    if isinstance(exc, ContextLengthExceeded):
+        body |= {"message": context_message(exc), "type": "invalid_request_error", "code": "context_length_exceeded"}
+    return {"error": body}
+
+
+def context_message(exc: ContextLengthExceeded) -> str:
+    """The overflow as OpenAI words it (clients and frameworks look for "maximum context length")."""
+    limit, prompt, wanted = exc.details["context_tokens"], exc.details["prompt_tokens"], exc.details["max_tokens"]
+    if wanted is None:
+        return (
+            f"This model's maximum context length is {limit} tokens. However, your messages resulted in {prompt} "
+            "tokens. Please reduce the length of the messages."
+        )
+    return (
+        f"This model's maximum context length is {limit} tokens. However, you requested {prompt + wanted} tokens "
+        f"({prompt} in the messages, {wanted} in the completion). Please reduce the length of the messages or "
+        "completion."
+    )

@@ -1,10 +1,10 @@
 """A chat turn on a session, all or nothing: plan the new tokens, add them, run the model turn, parse the reply.
 
-Both chat APIs (``gateway.chat.openai``, ``gateway.chat.anthropic``) run their turns through ``ChatService``: the
-same token-level turn as ``POST /v1/sessions/{id}/generate`` (``gateway.turns``), with routing and top-p replay
-exactly as there, preceded by the request's new messages as non-trainable tokens. A failure at any step (the
-template, a limit, the upstream, an invalid answer) leaves the session as it was: the added tokens (or the new
-branch) are undone.
+The three chat APIs (``gateway.chat.openai``, ``gateway.chat.anthropic``, ``gateway.chat.responses``) run their
+turns through ``ChatService``: the same token-level turn as ``POST /v1/sessions/{id}/generate`` (``gateway.turns``),
+with routing and top-p replay exactly as there, preceded by the request's new messages as non-trainable tokens. A
+failure at any step (the template, a limit, the upstream, an invalid answer) leaves the session as it was: the added
+tokens (or the new branch) are undone.
 """
 
 from __future__ import annotations
@@ -12,14 +12,16 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gateway.chat.conversation import ChatPlan, DriftPolicy, apply_plan, plan_chat, record_reply
-from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest
+from gateway.chat.api import ChatRequestError, HostedTools, check_history
+from gateway.chat.conversation import ChatPlan, DriftPolicy, RewritePolicy, apply_plan, plan_chat, record_reply
+from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, order_tool_results
+from gateway.chat.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
 from gateway.chat.template import ChatTemplate
 from gateway.chat.tool_parsers import PARSERS, STREAM_SPLITTERS, HermesStreamSplitter, ParsedCompletion
-from gateway.errors import ContextLengthExceeded, GatewayError
+from gateway.errors import ContextLengthExceeded, GatewayError, PreviousResponseNotFound
 from gateway.schemas import TurnCreate
 from gateway.state import GatewayState
 from gateway.store import Session
@@ -28,6 +30,8 @@ from gateway.turns import FoldedTurn, StreamTurn, open_stream_turn, run_turn
 log = logging.getLogger("gateway.chat")
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+# The answer's length when a request names none, the context length unknown and no default configured.
+FALLBACK_MAX_TOKENS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,7 @@ class ChatResult:
     reply: AssistantReply
     folded: FoldedTurn
     render_s: float
+    request: ChatRequest  # as the turn ran it: resolved (a continued response's history first), its length set
 
     def gateway_json(self) -> dict[str, Any]:
         """Beside each API's own fields (clients ignore it): where the turn landed in the session."""
@@ -53,28 +58,43 @@ class ChatResult:
         }
 
 
-class ChatService:
-    """The chat side of one gateway: the tokenizer and template, the tool-call parser, the drift policy."""
+@dataclass(frozen=True, slots=True)
+class ChatSettings:
+    """How the chat side reads and writes a conversation (``GATEWAY_CHAT_*``)."""
 
-    def __init__(
-        self,
-        template: ChatTemplate,
-        *,
-        tool_parser: str = "hermes",
-        drift_policy: DriftPolicy = "fork",
-        context_tokens: int | None = None,
-    ) -> None:
-        if tool_parser not in PARSERS:
-            raise ValueError(f"unknown tool parser {tool_parser!r}; known: {', '.join(sorted(PARSERS))}")
+    tool_parser: str = "hermes"
+    reasoning_parser: str = "none"
+    drift_policy: DriftPolicy = "fork"
+    rewrite_policy: RewritePolicy = "append"
+    context_tokens: int | None = None
+    default_max_tokens: int | None = None  # None: the context left (FALLBACK_MAX_TOKENS when it is unknown)
+
+
+class ChatService:
+    """The chat side of one gateway: the tokenizer and template, the output parsers, the conversation policies."""
+
+    def __init__(self, template: ChatTemplate, settings: ChatSettings | None = None) -> None:
+        settings = settings or ChatSettings()
+        if settings.tool_parser not in PARSERS:
+            raise ValueError(f"unknown tool parser {settings.tool_parser!r}; known: {', '.join(sorted(PARSERS))}")
+        if settings.reasoning_parser not in REASONING_FORMATS:
+            known = ", ".join(sorted(REASONING_FORMATS))
+            raise ValueError(f"unknown reasoning parser {settings.reasoning_parser!r}; known: {known}")
         self.template = template
-        self.tool_parser = tool_parser
-        self.drift_policy: DriftPolicy = drift_policy
-        self.context_tokens = context_tokens
+        self.settings = settings
+        self.reasoning: ReasoningFormat | None = REASONING_FORMATS[settings.reasoning_parser]
+        self.hosted = HostedTools()
+
+    @property
+    def context_tokens(self) -> int | None:
+        return self.settings.context_tokens
 
     # ---- one turn ---------------------------------------------------------------------------------------------
     async def run(self, state: GatewayState, session_id: str, request: ChatRequest) -> ChatResult:
         async with state.store.exclusive(session_id) as session:
+            request = self.resolve(session, request)
             plan = await self._plan(state, session, request)
+            request = self._with_length(request, plan.tokens_after(session))
             undo = self._begin(state, session, request, plan)
             try:
                 folded = await run_turn(state, session, _turn_request(request))
@@ -87,7 +107,9 @@ class ChatService:
         """Start a streamed turn; errors before the upstream answers are plain errors (the session unchanged)."""
         session = await state.store.acquire(session_id)
         try:
+            request = self.resolve(session, request)
             plan = await self._plan(state, session, request)
+            request = self._with_length(request, plan.tokens_after(session))
             undo = self._begin(state, session, request, plan)
             stream = ChatStream(self, state, session, request, plan, undo)
             try:
@@ -100,21 +122,108 @@ class ChatService:
             raise
         return stream
 
-    async def _plan(self, state: GatewayState, session: Session, request: ChatRequest) -> ChatPlan:
+    async def count_tokens(self, state: GatewayState, session_id: str, request: ChatRequest) -> int:
+        """The prompt a turn with this request would give the model, in tokens (nothing changes)."""
+        session = await state.store.get(session_id)
+        request = self.resolve(session, request)
+        plan = await self._plan(state, session, request, check_context=False)
+        return plan.tokens_after(session)
+
+    # ---- the request, made ready for the conversation logic -------------------------------------------------
+    def resolve(self, session: Session, request: ChatRequest) -> ChatRequest:
+        """The request as the conversation logic takes it: a continued response's history first, system messages the
+        template cannot render where they stand merged into a user message, reasoning a client left inside an
+        assistant message's content split out, tool results in the order of their calls; then checked."""
+        if request.previous_response_id is not None:
+            request = request.with_history(self._stored_history(session, request))
+        messages = request.messages
+        if not self.template.renders_system_anywhere:
+            messages = merge_late_system_messages(messages)
+        if self.reasoning is not None:
+            messages = tuple(self._split_history_reasoning(m) for m in messages)
+        messages = order_tool_results(messages)
+        check_history(messages)
+        return replace(request, messages=messages)
+
+    def _stored_history(self, session: Session, request: ChatRequest) -> tuple[ChatMessage, ...]:
+        record = session.chat
+        count = None if record is None else record.find_response(request.previous_response_id or "")
+        if record is None or count is None:
+            raise PreviousResponseNotFound(
+                f"Previous response with id 'resp_{request.previous_response_id}' not found in session "
+                f"{session.session_id!r} (a response is kept when it was created with store: true)",
+                param="previous_response_id",
+            )
+        history = record.messages[:count]
+        instructions = request.options.get("instructions")
+        if instructions is not None:
+            # This request's instructions stand in for the earlier ones (they are not carried over, as in the API).
+            rest = history[1:] if history and history[0].role == "system" else history
+            history = (ChatMessage("system", instructions), *rest)
+        return history
+
+    def _split_history_reasoning(self, message: ChatMessage) -> ChatMessage:
+        assert self.reasoning is not None
+        if message.role != "assistant" or message.reasoning is not None or self.reasoning.start not in message.content:
+            return message
+        reasoning, content = self.reasoning.split(message.content, inside=False)
+        return replace(message, reasoning=reasoning, content=content)
+
+    async def _plan(
+        self, state: GatewayState, session: Session, request: ChatRequest, *, check_context: bool = True
+    ) -> ChatPlan:
         # The template renders the whole history (twice, for a continuation): off the loop when it is long.
-        size = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in request.messages)
-        plan = await state.run_cpu(size, lambda: plan_chat(self.template, session, request, self.drift_policy))
-        self._check_context(plan.tokens_after(session), request)
+        size = sum(m.text_size for m in request.messages)
+        settings = self.settings
+        plan = await state.run_cpu(
+            size,
+            lambda: plan_chat(self.template, session, request, settings.drift_policy, settings.rewrite_policy),
+        )
+        if check_context:
+            self._check_context(plan.tokens_after(session), request.max_tokens)
         return plan
 
+    def _with_length(self, request: ChatRequest, prompt_tokens: int) -> ChatRequest:
+        """The request with the answer's length limit it runs with: its own, else the default."""
+        max_tokens = request.max_tokens if request.max_tokens is not None else self.default_max_tokens(prompt_tokens)
+        return replace(request, max_tokens=max_tokens)
+
+    def default_max_tokens(self, prompt_tokens: int) -> int:
+        left = None if self.context_tokens is None else self.context_tokens - prompt_tokens
+        configured = self.settings.default_max_tokens
+        if configured is None:
+            return left if left is not None else FALLBACK_MAX_TOKENS
+        return configured if left is None else min(configured, left)
+
+    def _check_context(self, prompt_tokens: int, max_tokens: int | None) -> None:
+        limit = self.context_tokens
+        if limit is None:
+            return
+        if prompt_tokens >= limit:
+            raise ContextLengthExceeded(
+                f"prompt is too long: {prompt_tokens} tokens > {limit - 1} maximum",
+                context_tokens=limit,
+                prompt_tokens=prompt_tokens,
+                max_tokens=None,
+            )
+        if max_tokens is not None and prompt_tokens + max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"input length and `max_tokens` exceed context limit: {prompt_tokens} + {max_tokens} > {limit}, "
+                "decrease input length or `max_tokens` and try again",
+                context_tokens=limit,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+            )
+
     def _begin(self, state: GatewayState, session: Session, request: ChatRequest, plan: ChatPlan) -> Callable[[], None]:
-        if plan.first_difference is not None:
-            state.metrics.chat_drift.labels(self.drift_policy).inc()
+        if plan.cause is not None:
+            state.metrics.chat_drift.labels(plan.cause).inc()
             log.info(
-                "session %s: chat history differs from message %d on; new branch from token %d",
+                "session %s: %s (first differing message %s); %s",
                 session.session_id,
+                plan.cause,
                 plan.first_difference,
-                plan.fork_at,
+                "same branch" if plan.fork_at is None else f"new branch from token {plan.fork_at}",
             )
         undo = apply_plan(state.store, session, plan)
         try:
@@ -128,28 +237,47 @@ class ChatService:
         self, state: GatewayState, session: Session, request: ChatRequest, plan: ChatPlan, folded: FoldedTurn
     ) -> ChatResult:
         """Parse the reply and record it; cannot fail on the answer's content (malformed calls stay content)."""
-        reply = self.reply(request, folded, self.parse(request, folded.plan.turn.text))
-        record_reply(session, request, plan, reply.message)
-        state.metrics.chat_turns.labels("stream" if request.stream else "unary", reply.finish).inc()
-        return ChatResult(session.session_id, len(session.branches), reply, folded, plan.delta.render_s)
+        parsed, reasoning = self.parse(request, plan, folded.plan.turn.text, state)
+        reply = self.reply(folded, parsed, reasoning)
+        stored = folded.summary["rid"] if request.api == "responses" and request.store else None
+        record_reply(session, request, plan, reply.message, stored)
+        mode = "stream" if request.stream else "unary"
+        state.metrics.chat_turns.labels(request.api, mode, reply.finish).inc()
+        return ChatResult(session.session_id, len(session.branches), reply, folded, plan.delta.render_s, request)
 
     # ---- parts ------------------------------------------------------------------------------------------------
-    def parse(self, request: ChatRequest, text: str) -> ParsedCompletion:
-        if not request.parse_tool_calls:
-            return ParsedCompletion(text, ())
-        return PARSERS[self.tool_parser](text)
+    def starts_inside_reasoning(self, plan: ChatPlan) -> bool:
+        return self.reasoning is not None and self.reasoning.starts_inside(plan.delta.text[-256:])
 
-    def splitter(self, request: ChatRequest) -> HermesStreamSplitter | None:
-        return STREAM_SPLITTERS[self.tool_parser]() if request.parse_tool_calls else None
+    def parse(
+        self, request: ChatRequest, plan: ChatPlan, text: str, state: GatewayState | None = None
+    ) -> tuple[ParsedCompletion, str | None]:
+        """The completion as content, tool calls and reasoning."""
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text, inside=self.starts_inside_reasoning(plan))
+        if not request.parse_tool_calls:
+            return ParsedCompletion(text, ()), reasoning
+        parsed = PARSERS[self.settings.tool_parser](text)
+        if parsed.failed and state is not None:
+            state.metrics.chat_tool_parse_failures.labels(self.settings.tool_parser).inc()
+        return parsed, reasoning
+
+    def splitter(self, request: ChatRequest, plan: ChatPlan) -> ReplySplitter:
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning = ReasoningStream(self.reasoning, inside=self.starts_inside_reasoning(plan))
+        tools = STREAM_SPLITTERS[self.settings.tool_parser]() if request.parse_tool_calls else None
+        return ReplySplitter(reasoning, tools)
 
     @staticmethod
-    def reply(request: ChatRequest, folded: FoldedTurn, parsed: ParsedCompletion) -> AssistantReply:
+    def reply(folded: FoldedTurn, parsed: ParsedCompletion, reasoning: str | None) -> AssistantReply:
         turn, summary = folded.plan.turn, folded.summary
         finish = FINISH.get(turn.finish_type or "", "stop")
         if finish == "stop" and parsed.tool_calls:
             finish = "tool_calls"
         return AssistantReply(
-            message=ChatMessage("assistant", parsed.content, parsed.tool_calls),
+            message=ChatMessage("assistant", parsed.content, parsed.tool_calls, reasoning=reasoning),
             finish=finish,  # type: ignore[arg-type]
             completion_tokens=turn.num_tokens,
             prompt_tokens=int(summary["prompt_length"]),
@@ -157,34 +285,83 @@ class ChatService:
             rid=str(summary["rid"]),
         )
 
-    def _check_context(self, prompt_tokens: int, request: ChatRequest) -> None:
-        limit = self.context_tokens
-        if limit is None:
-            return
-        wanted = request.sampling_params.get("max_new_tokens")
-        total = prompt_tokens + (wanted if isinstance(wanted, int) else 1)
-        if total > limit:
-            raise ContextLengthExceeded(
-                f"this model's context is {limit} tokens; the conversation holds {prompt_tokens} and "
-                f"{wanted if isinstance(wanted, int) else 'at least 1'} more were asked for",
-                context_tokens=limit,
-                prompt_tokens=prompt_tokens,
-            )
+
+def merge_late_system_messages(messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
+    """For a template that cannot render a system message after the first: each such message is merged into the
+    user message before it (appended), else the next one (prepended), so that the model still reads it once."""
+    out: list[ChatMessage] = []
+    pending: list[str] = []
+    for i, message in enumerate(messages):
+        if message.role == "system" and i > 0:
+            if out and out[-1].role == "user":
+                out[-1] = replace(out[-1], content=f"{out[-1].content}\n\n{message.content}")
+            else:
+                pending.append(message.content)
+            continue
+        if pending and message.role == "user":
+            message = replace(message, content="\n\n".join([*pending, message.content]))
+            pending = []
+        out.append(message)
+    if pending:
+        raise ChatRequestError(
+            "a system message after the first has no user message to join, and this model's chat template renders "
+            "system messages only at the start",
+            param="messages",
+        )
+    return tuple(out)
 
 
 def _turn_request(request: ChatRequest) -> TurnCreate:
-    return TurnCreate.model_validate({"sampling_params": request.sampling_params, "stream": request.stream})
+    params = {**request.sampling_params, "max_new_tokens": request.max_tokens}
+    return TurnCreate.model_validate({"sampling_params": params, "stream": request.stream})
+
+
+class ReplySplitter:
+    """A streamed completion split as it arrives into reasoning and content, the content holding back what may be
+    tool calls; ``finish`` gives what remains of each so that the streamed text equals the unary answer's."""
+
+    def __init__(self, reasoning: ReasoningStream | None, tools: HermesStreamSplitter | None) -> None:
+        self._reasoning = reasoning
+        self._tools = tools
+        self._content_sent = 0
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        """``(reasoning, content)`` safe to send now."""
+        if self._reasoning is None:
+            return "", self._content(piece)
+        reasoning: list[str] = []
+        content: list[str] = []
+        for channel, text in self._reasoning.feed(piece):
+            if channel == "reasoning":
+                reasoning.append(text)
+            else:
+                content.append(self._content(text))
+        return "".join(reasoning), "".join(content)
+
+    def _content(self, piece: str) -> str:
+        out = piece if self._tools is None else self._tools.feed(piece)
+        self._content_sent += len(out)
+        return out
+
+    def finish(self, message: ChatMessage) -> tuple[str, str]:
+        """What remains to send of the reasoning and the content, once the completion is whole and parsed into
+        ``message``."""
+        reasoning = self._reasoning.finish(message.reasoning) if self._reasoning is not None else ""
+        content = message.content[self._content_sent :] if len(message.content) > self._content_sent else ""
+        return reasoning, content
 
 
 @dataclass
 class StreamEvent:
-    """What the API adapters turn into their own events: content text, then one end."""
+    """What the API adapters turn into their own events: reasoning and content text, then one end."""
 
     text: str = ""
+    reasoning: str = ""
     end: bool = False
     reply: AssistantReply | None = None  # the end of a turn that was folded (whole, or partial)
     error: dict[str, Any] | None = None  # the end of a failed turn: the gateway's error body
     branch: int = 0
+    result: ChatResult | None = None
 
 
 @dataclass
@@ -197,7 +374,7 @@ class ChatStream:
     undo: Callable[[], None]
     turn: StreamTurn | None = None
     result: ChatResult | None = None
-    _splitter: HermesStreamSplitter | None = field(default=None, init=False)
+    _splitter: ReplySplitter | None = field(default=None, init=False)
 
     def ended(self, folded: FoldedTurn | None) -> None:
         """``StreamTurn``'s end hook, with the session still held: record the reply, or undo the new tokens."""
@@ -208,31 +385,43 @@ class ChatStream:
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         assert self.turn is not None
-        self._splitter = self.service.splitter(self.request)
+        self._splitter = self.service.splitter(self.request, self.plan)
         error: dict[str, Any] | None = None
         async with aclosing(self.turn.event_batches()) as batches:
             async for batch, ended in batches:
-                text = "".join(self._content(event) for event in batch)
+                reasoning, text = self._pieces(batch)
                 for event in batch:
                     if event["type"] == "error":
                         error = event["error"]
-                if text:
-                    yield StreamEvent(text=text)
+                if text or reasoning:
+                    yield StreamEvent(text=text, reasoning=reasoning)
                 if ended:
                     yield self._end(error)
 
-    def _content(self, event: dict[str, Any]) -> str:
-        if event["type"] != "delta" or not event["text"]:
-            return ""
-        return event["text"] if self._splitter is None else self._splitter.feed(event["text"])
+    def _pieces(self, batch: list[dict[str, Any]]) -> tuple[str, str]:
+        assert self._splitter is not None
+        reasoning: list[str] = []
+        content: list[str] = []
+        for event in batch:
+            if event["type"] == "delta" and event["text"]:
+                r, c = self._splitter.feed(event["text"])
+                reasoning.append(r)
+                content.append(c)
+        return "".join(reasoning), "".join(content)
 
     def _end(self, error: dict[str, Any] | None) -> StreamEvent:
         result = self.result
         if result is None:  # nothing folded: the session is as before the request
             fallback = GatewayError("the turn ended without an answer").to_body()["error"]
             return StreamEvent(end=True, error=error or fallback)
-        rest = ""
-        if self._splitter is not None:
-            message = result.reply.message
-            rest = self._splitter.finish(ParsedCompletion(message.content, message.tool_calls))
-        return StreamEvent(text=rest, end=True, reply=result.reply, error=error, branch=result.branch)
+        assert self._splitter is not None
+        reasoning, rest = self._splitter.finish(result.reply.message)
+        return StreamEvent(
+            text=rest,
+            reasoning=reasoning,
+            end=True,
+            reply=result.reply,
+            error=error,
+            branch=result.branch,
+            result=result,
+        )

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,14 +27,25 @@ from gateway.errors import ChatTemplateError
 
 log = logging.getLogger("gateway.chat")
 
-_PROBE = "\x00slime-gateway-probe\x00"
-
 
 @dataclass(frozen=True, slots=True)
 class Rendered:
     ids: np.ndarray  # int32
     text: str
     render_s: float  # time in the template and the tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """New messages rendered after a history (``ChatTemplate.continuation``)."""
+
+    rendered: Rendered | None  # None: the template's rendering cannot be split after the history
+    rewrote: bool  # the template renders the history differently once the new messages follow it
+    render_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.rendered.render_s if self.rendered is not None else self.render_s
 
 
 class ChatTemplate:
@@ -45,7 +57,10 @@ class ChatTemplate:
         self._backend = tokenizer.backend_tokenizer
         self.vocab_size = len(tokenizer)
         self.stop_token_ids = frozenset(tokenizer.all_special_ids)
+        # Never in a client's text: NULs and a random part, new in each process.
+        self._probe = f"\x00slime-gateway-probe-{uuid.uuid4().hex}\x00"
         self.assistant_close = self._assistant_close()
+        self.renders_system_anywhere = self._renders_system_anywhere()
 
     @classmethod
     def load(cls, path: str) -> ChatTemplate:
@@ -57,11 +72,15 @@ class ChatTemplate:
             raise ValueError(f"the tokenizer at {path} has no fast (Rust) implementation")
         template = cls(tokenizer, path)
         log.info(
-            "chat: tokenizer %s (%d tokens) loaded in %.1fs; assistant turns close with %r",
+            "chat: tokenizer %s (%d tokens) loaded in %.1fs; assistant turns close with %r; system messages after "
+            "the first are %s",
             path,
             template.vocab_size,
             time.perf_counter() - started,
             template.assistant_close,
+            "rendered where they stand"
+            if template.renders_system_anywhere
+            else "not rendered by the template: they are merged into a neighbouring user message",
         )
         return template
 
@@ -96,21 +115,35 @@ class ChatTemplate:
         tools: Sequence[Tool],
         *,
         last_token: int,
-    ) -> Rendered:
+    ) -> Continuation:
         """The tokens that follow a history whose last message the model wrote (ending in ``last_token``): the rest
         of that message's closing the model did not write (the template's text after an assistant message, less the
-        stop token the model ended with), then the new messages and the generation prompt, as the template renders
-        them after the history."""
+        stop token the model ended with), then exactly the text ``render(history + new, generation prompt)`` has
+        after the history's last message.
+
+        That text is found with a probe appended to the last message's content: what follows the probe when the
+        message stands alone (its tool calls and closing) is cut from what follows it when the new messages come
+        after. Whether the template rendered the earlier messages differently once new ones follow (a template that
+        drops earlier reasoning, Qwen3-style) is reported as ``rewrote``; ``text`` is None when the probe cannot
+        split the rendering (the template changed the last message's own closing)."""
         started = time.perf_counter()
-        before = self.render_text(history, tools, generation_prompt=False)
-        after = self.render_text([*history, *new], tools, generation_prompt=True)
-        if not after.startswith(before):
-            raise ChatTemplateError(
-                "the chat template renders the earlier messages differently once new ones follow them, so new "
-                "messages cannot be appended token-in-token-out with this template"
-            )
-        text = self.unwritten_close(last_token) + after[len(before) :]
-        return Rendered(self.encode(text), text, time.perf_counter() - started)
+        probed = [*history[:-1], replace(history[-1], content=history[-1].content + self._probe)]
+        alone = self.render_text(probed, tools, generation_prompt=False)
+        full = self.render_text([*probed, *new], tools, generation_prompt=True)
+        at_alone, at_full = alone.find(self._probe), full.find(self._probe)
+        if at_alone < 0 or at_full < 0:
+            raise ChatTemplateError("the chat template does not render the content of the model's last message")
+        rest = alone[at_alone + len(self._probe) :]
+        after = full[at_full + len(self._probe) :]
+        rewrote = full[:at_full] != alone[:at_alone]
+        if not after.startswith(rest):
+            return Continuation(None, rewrote=True, render_s=time.perf_counter() - started)
+        text = self.unwritten_close(last_token) + after[len(rest) :]
+        return Continuation(Rendered(self.encode(text), text, time.perf_counter() - started), rewrote=rewrote)
+
+    def count(self, messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> int:
+        """Tokens of the whole conversation as the template renders it for the model's answer."""
+        return len(self.encode(self.render_text(messages, tools, generation_prompt=True)))
 
     def unwritten_close(self, last_token: int) -> str:
         """What the template puts after an assistant message that the model did not generate: all of it, unless the
@@ -122,9 +155,18 @@ class ChatTemplate:
         return self.assistant_close
 
     def _assistant_close(self) -> str:
-        probe = [ChatMessage("user", "hi"), ChatMessage("assistant", _PROBE)]
+        probe = [ChatMessage("user", "hi"), ChatMessage("assistant", self._probe)]
         text = self.render_text(probe, (), generation_prompt=False)
-        at = text.rfind(_PROBE)
+        at = text.rfind(self._probe)
         if at < 0:
             raise ValueError(f"the chat template of {self.name} does not render an assistant message's content")
-        return text[at + len(_PROBE) :]
+        return text[at + len(self._probe) :]
+
+    def _renders_system_anywhere(self) -> bool:
+        """Whether the template renders a system message that is not the first one where it stands (many do; some
+        refuse it, some drop it)."""
+        probe = [ChatMessage("user", "hi"), ChatMessage("system", self._probe), ChatMessage("user", "there")]
+        try:
+            return self._probe in self.render_text(probe, (), generation_prompt=True)
+        except ChatTemplateError:
+            return False

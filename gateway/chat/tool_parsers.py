@@ -28,6 +28,7 @@ _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 class ParsedCompletion:
     content: str
     tool_calls: tuple[ToolCall, ...]
+    failed: bool = False  # the completion had tool-call markup that could not be read: it is all content
 
 
 def new_tool_call_id() -> str:
@@ -40,16 +41,17 @@ def parse_hermes(text: str, new_id: Callable[[], str] = new_tool_call_id) -> Par
         return ParsedCompletion(text, ())
     calls: list[ToolCall] = []
     pos = start
+    failed = ParsedCompletion(text, (), failed=True)
     for block in _BLOCK.finditer(text, start):
         if text[pos : block.start()].strip():  # text between calls: not the format
-            return ParsedCompletion(text, ())
+            return failed
         call = _hermes_call(block.group(1), new_id)
         if call is None:
-            return ParsedCompletion(text, ())
+            return failed
         calls.append(call)
         pos = block.end()
     if not calls or text[pos:].strip():  # unclosed block, or text after the calls
-        return ParsedCompletion(text, ())
+        return failed
     return ParsedCompletion(text[:start].rstrip(), tuple(calls))
 
 

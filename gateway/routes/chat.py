@@ -1,12 +1,15 @@
-"""Chat APIs over a session: OpenAI's ``/chat/completions`` and Anthropic's ``/v1/messages``, each under
-``/v1/sessions/{id}`` so that the unmodified clients work with ``base_url="{gateway}/v1/sessions/{id}"``.
+"""Chat APIs over a session: OpenAI's ``/chat/completions`` and ``/responses``, Anthropic's ``/v1/messages`` (and
+its ``/v1/messages/count_tokens``), each under ``/v1/sessions/{id}`` so that unmodified clients and agent harnesses
+work with ``base_url="{gateway}/v1/sessions/{id}"``.
 
-Thin: each API's module (``gateway.chat.openai``, ``gateway.chat.anthropic``) parses and formats; the turn itself
-is ``ChatService``'s. Errors answer in the API's own shape.
+Thin: each API's module (``gateway.chat.openai``, ``gateway.chat.anthropic``, ``gateway.chat.responses``) parses and
+formats; the turn itself is ``ChatService``'s. Every error under these prefixes, unknown paths and wrong methods
+included (``api_for_path``), answers in that API's own shape.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
@@ -15,8 +18,9 @@ from types import ModuleType
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from gateway.chat import anthropic, openai
+from gateway.chat import anthropic, openai, responses
 from gateway.chat.api import error_status
+from gateway.chat.messages import ChatRequest
 from gateway.chat.service import ChatService, ChatStream
 from gateway.errors import ChatNotConfigured, GatewayError
 from gateway.responses import json_response
@@ -24,6 +28,9 @@ from gateway.state import GatewayState, StateDep
 
 router = APIRouter(prefix="/v1/sessions/{session_id}", tags=["chat"])
 SSE_HEADERS = {"cache-control": "no-cache"}
+# Which API a path under a session belongs to: Anthropic's clients call {base}/v1/..., OpenAI's {base}/chat/...,
+# {base}/responses..., {base}/models...
+_API_PATH = re.compile(r"^/v1/sessions/[^/]+/(?:(v1)(?:/|$)|(chat|responses|models|completions|embeddings)(?:/|$))")
 
 
 @router.post("/chat/completions")
@@ -31,9 +38,35 @@ async def chat_completions(session_id: str, request: Request, state: StateDep) -
     return await _chat(session_id, request, state, openai)
 
 
+@router.post("/responses")
+async def openai_responses(session_id: str, request: Request, state: StateDep) -> Response:
+    return await _chat(session_id, request, state, responses)
+
+
 @router.post("/v1/messages")
 async def anthropic_messages(session_id: str, request: Request, state: StateDep) -> Response:
     return await _chat(session_id, request, state, anthropic)
+
+
+@router.post("/v1/messages/count_tokens")
+async def anthropic_count_tokens(session_id: str, request: Request, state: StateDep) -> Response:
+    """The prompt a turn with these messages would give the model, in tokens: the template's rendering, tokenized,
+    after the session's own tokens when the messages extend its record (nothing changes)."""
+    raw = await request.body()
+    try:
+        service = _service(state)
+        chat = await state.run_cpu(len(raw), lambda: anthropic.parse_count_request(raw, service.hosted))
+        tokens = await service.count_tokens(state, session_id, chat)
+    except GatewayError as exc:
+        return _error(state, anthropic, exc)
+    return json_response(anthropic.count_json(tokens))
+
+
+@router.head("")
+async def session_base(session_id: str, state: StateDep) -> Response:
+    """Clients check their base URL is alive (Claude Code sends ``HEAD {base}``): 200 when the session exists."""
+    await state.store.get(session_id)
+    return Response(status_code=200)
 
 
 async def _chat(session_id: str, request: Request, state: GatewayState, api: ModuleType) -> Response:
@@ -42,19 +75,37 @@ async def _chat(session_id: str, request: Request, state: GatewayState, api: Mod
     raw = await request.body()
     try:
         service = _service(state)
-        chat = await state.run_cpu(len(raw), lambda: api.parse_request(raw))
+        chat: ChatRequest = await state.run_cpu(len(raw), lambda: api.parse_request(raw, service.hosted))
         model = chat.model or Path(service.template.name).name
         if not chat.stream:
             result = await service.run(state, session_id, chat)
-            return json_response(api.answer_json(result, model))
+            return json_response(api.answer_json(result, result.request, model))
         stream = await service.open_stream(state, session_id, chat)
     except GatewayError as exc:
-        state.metrics.record_error(exc)
-        response = json_response(api.error_body(exc), status_code=error_status(exc))
-        response.headers.update(exc.response_headers())
-        return response
-    writer = api.stream_writer(chat, model)
+        return _error(state, api, exc)
+    writer = api.stream_writer(stream.request, model)
     return StreamingResponse(_events(stream, writer), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _error(state: GatewayState, api: ModuleType, exc: GatewayError) -> Response:
+    state.metrics.record_error(exc)
+    response = json_response(api.error_body(exc), status_code=error_status(exc))
+    response.headers.update(exc.response_headers())
+    return response
+
+
+def api_for_path(path: str) -> ModuleType | None:
+    """The chat API whose clients call ``path`` (None: not under a session's chat prefixes)."""
+    match = _API_PATH.match(path)
+    if match is None:
+        return None
+    return anthropic if match.group(1) else openai
+
+
+def api_error_body(path: str, exc: GatewayError) -> dict | None:
+    """``exc`` in the shape of the chat API ``path`` belongs to, or None outside the chat prefixes."""
+    api = api_for_path(path)
+    return None if api is None else api.error_body(exc)
 
 
 def _service(state: GatewayState) -> ChatService:

@@ -1,0 +1,706 @@
+"""The OpenAI Responses API over a session: its request, answer, stream events and error shape.
+
+``POST /v1/sessions/{id}/responses``, the path the Codex CLI, the OpenAI Agents SDK and ``openai``'s
+``responses.create`` call with ``base_url="{gateway}/v1/sessions/{id}"``.
+
+Input items map onto the common messages (``gateway.chat.messages``): ``message`` items (``system``/``developer`` as
+system, ``user``, ``assistant``; ``input_text``/``output_text`` parts) are messages; the assistant-side items of one
+answer (``reasoning``, an assistant ``message``, ``function_call``s) are one assistant message; each
+``function_call_output`` is a tool message. ``instructions`` is the first system message. Function tools are
+rendered (``strict`` accepted: there is no constrained decoding here); ``namespace`` tools are flattened to
+``NAMESPACE.NAME`` (a call comes back with its ``namespace``); ``custom`` (free-form) tools are rendered as a function
+with one string parameter ``input``; hosted tools the model cannot call here (``web_search``, ``file_search``, ...)
+are left out of the prompt, logged once.
+
+``store`` (default true) and ``previous_response_id``: a session keeps the responses it answered, so a request may
+give only its new input and continue from one; with ``store: false`` (Codex) every request carries the whole input,
+and the session's record is matched exactly as on the chat routes. ``max_output_tokens`` is the answer's length
+(without it, the gateway's default); a turn cut by it is ``incomplete`` with reason ``max_output_tokens``.
+``parallel_tool_calls``, ``reasoning``, ``truncation``, ``prompt_cache_key`` (the session already routes its turns to
+one worker), ``client_metadata``, ``metadata``, ``user`` and ``service_tier`` change nothing here and are ignored.
+``include: ["reasoning.encrypted_content"]`` adds the reasoning, encoded, to reasoning items, which a later request
+may send back in place of the reasoning text.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import orjson
+from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, ValidationError
+
+from gateway.chat.api import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    ApiModel,
+    ChatRequestError,
+    HostedTools,
+    Number,
+    validation_error,
+)
+from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, Tool, ToolCall
+from gateway.chat.openai import error_body as openai_error_body
+from gateway.chat.openai import openai_error_json
+from gateway.chat.service import ChatResult, StreamEvent
+
+if TYPE_CHECKING:
+    from gateway.turns import StreamTurn
+
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+_ENCODED_PREFIX = "sgw1."
+_NAME = Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+# ---- the request -----------------------------------------------------------------------------------------------
+class TextPart(ApiModel):
+    type: Literal["input_text", "output_text", "text"]
+    text: StrictStr
+
+
+class RefusalPart(ApiModel):
+    type: Literal["refusal"]
+    refusal: StrictStr
+
+
+class MediaPart(ApiModel):
+    type: Literal["input_image", "input_file", "input_audio"]
+
+
+Part = Annotated[TextPart | RefusalPart | MediaPart, Field(discriminator="type")]
+Content = StrictStr | Annotated[list[Part], Field(max_length=1024)]
+
+
+class MessageItem(ApiModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Content
+
+
+class FunctionCallItem(ApiModel):
+    type: Literal["function_call"]
+    call_id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    arguments: StrictStr
+    namespace: StrictStr | None = None
+
+
+class CustomToolCallItem(ApiModel):
+    type: Literal["custom_tool_call"]
+    call_id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    input: StrictStr
+    namespace: StrictStr | None = None
+
+
+class ToolOutputItem(ApiModel):
+    type: Literal["function_call_output", "custom_tool_call_output"]
+    call_id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    output: Content
+
+
+class ReasoningText(ApiModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: StrictStr
+
+
+class ReasoningItem(ApiModel):
+    type: Literal["reasoning"]
+    summary: Annotated[list[ReasoningText], Field(max_length=1024)] = Field(default_factory=list)
+    content: Annotated[list[ReasoningText], Field(max_length=1024)] | None = None
+    encrypted_content: StrictStr | None = None
+
+
+class OtherItem(ApiModel):
+    type: StrictStr
+
+
+def _item_kind(value: Any) -> str:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+    known = {"message", "function_call", "custom_tool_call", "reasoning"}
+    if kind in known:
+        return kind
+    return "tool_output" if kind in ("function_call_output", "custom_tool_call_output") else "other"
+
+
+Item = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
+    | Annotated[ToolOutputItem, Tag("tool_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[OtherItem, Tag("other")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionToolIn(ApiModel):
+    type: Literal["function"]
+    name: _NAME
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class CustomToolIn(ApiModel):
+    type: Literal["custom"]
+    name: _NAME
+    description: StrictStr | None = None
+
+
+class NamespaceToolIn(ApiModel):
+    type: Literal["namespace"]
+    name: _NAME
+    description: StrictStr = ""
+    tools: Annotated[
+        list[Annotated[FunctionToolIn | CustomToolIn, Field(discriminator="type")]], Field(max_length=MAX_TOOLS)
+    ]
+
+
+class HostedToolIn(ApiModel):
+    type: StrictStr
+
+
+def _tool_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("function", "custom", "namespace") else "hosted"
+
+
+ToolIn = Annotated[
+    Annotated[FunctionToolIn, Tag("function")]
+    | Annotated[CustomToolIn, Tag("custom")]
+    | Annotated[NamespaceToolIn, Tag("namespace")]
+    | Annotated[HostedToolIn, Tag("hosted")],
+    Discriminator(_tool_kind),
+]
+
+
+class NamedToolChoice(ApiModel):
+    type: Literal["function", "custom"]
+    name: StrictStr
+
+
+class TextFormat(ApiModel):
+    type: StrictStr = "text"
+
+
+class TextOptions(ApiModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(ApiModel):
+    input: StrictStr | Annotated[list[Item], Field(min_length=1, max_length=MAX_MESSAGES)]
+    model: StrictStr | None = None
+    instructions: StrictStr | None = None
+    tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    stream: StrictBool = False
+    store: StrictBool = True
+    previous_response_id: StrictStr | None = None
+    include: Annotated[list[StrictStr], Field(max_length=64)] | None = None
+    text: TextOptions | None = None
+    background: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+
+
+def parse_request(raw: bytes, hosted: HostedTools | None = None) -> ChatRequest:
+    try:
+        body = ResponsesRequest.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    return to_chat_request(body, hosted)
+
+
+def to_chat_request(body: ResponsesRequest, hosted: HostedTools | None = None) -> ChatRequest:
+    _refuse_unsupported(body)
+    tools, kinds = _tools(body.tools or (), hosted)
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ChatRequestError("tool names must be unique", param="tools")
+    messages: list[ChatMessage] = []
+    continues = _continued_rid(body.previous_response_id)
+    if body.instructions is not None and continues is None:
+        messages.append(ChatMessage("system", body.instructions))
+    messages.extend(_input_messages(body.input, kinds))
+    params: dict[str, Any] = {}
+    for key, value in (("temperature", body.temperature), ("top_p", body.top_p)):
+        if value is not None:
+            params[key] = value
+    options = {
+        "instructions": body.instructions,
+        "tool_kinds": kinds,
+        "encrypted_reasoning": ENCRYPTED_REASONING in (body.include or ()),
+        "echo": _echo(body),
+    }
+    return ChatRequest(
+        messages=tuple(messages),
+        tools=tools,
+        tool_choice=_tool_choice(body, set(names)),
+        sampling_params=params,
+        max_tokens=body.max_output_tokens,
+        stream=body.stream,
+        model=body.model,
+        api="responses",
+        previous_response_id=continues,
+        store=body.store,
+        options=options,
+    )
+
+
+def _refuse_unsupported(body: ResponsesRequest) -> None:
+    if body.background:
+        raise ChatRequestError("background responses are not supported: answers come in the request", "background")
+    if body.text is not None and body.text.format is not None and body.text.format.type != "text":
+        raise ChatRequestError("structured text.format is not supported", param="text.format")
+    if body.top_logprobs:
+        raise ChatRequestError(
+            "top_logprobs are not returned here: the session's sample holds the log-probs "
+            "(GET /v1/sessions/{id}/sample)",
+            param="top_logprobs",
+        )
+
+
+def _continued_rid(previous_response_id: str | None) -> str | None:
+    """The turn a ``previous_response_id`` names (answers are ``resp_{rid}``); an id of another form names none."""
+    if previous_response_id is None:
+        return None
+    return previous_response_id.removeprefix("resp_") if previous_response_id.startswith("resp_") else "\x00"
+
+
+def _tools(tools: Any, hosted: HostedTools | None) -> tuple[tuple[Tool, ...], dict[str, tuple[str, str | None]]]:
+    """The tools the model is shown, and each one's kind (``function`` or ``custom``) and namespace by the name the
+    model calls it."""
+    out: list[Tool] = []
+    kinds: dict[str, tuple[str, str | None]] = {}
+
+    def add(tool: FunctionToolIn | CustomToolIn, namespace: str | None) -> None:
+        name = tool.name if namespace is None else f"{namespace}.{tool.name}"
+        description = tool.description or ""
+        if isinstance(tool, CustomToolIn):
+            parameters = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+        else:
+            parameters = tool.parameters or {}
+        out.append(Tool(name, description, parameters))
+        kinds[name] = ("custom" if isinstance(tool, CustomToolIn) else "function", namespace)
+
+    for tool in tools:
+        if isinstance(tool, NamespaceToolIn):
+            for inner in tool.tools:
+                add(inner, tool.name)
+        elif isinstance(tool, HostedToolIn):
+            if hosted is not None:
+                hosted.left_out("responses", tool.type)
+        else:
+            add(tool, None)
+    return tuple(out), kinds
+
+
+def _tool_choice(body: ResponsesRequest, names: set[str]) -> str:
+    choice = body.tool_choice
+    if choice is None:
+        return "auto" if names else "none"
+    if isinstance(choice, str):
+        if choice == "required" and not names:
+            raise ChatRequestError("tool_choice 'required' needs tools", param="tool_choice")
+        return choice if names else "none"
+    if isinstance(choice, NamedToolChoice):
+        if choice.name not in names:
+            raise ChatRequestError(f"tool_choice names an unknown tool {choice.name!r}", param="tool_choice")
+        return choice.name
+    if choice.get("type") == "allowed_tools":
+        return "required" if choice.get("mode") == "required" else "auto"
+    raise ChatRequestError(f"tool_choice {choice.get('type')!r} is not supported here", param="tool_choice")
+
+
+def _text(content: str | list[Any], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if isinstance(part, MediaPart):
+            raise ChatRequestError(f"{where}: {part.type} is not supported: the served model reads text", param=where)
+        texts.append(part.text if isinstance(part, TextPart) else part.refusal)
+    return "\n".join(texts)
+
+
+class _Answer:
+    """The assistant-side items of one answer, gathered into one assistant message."""
+
+    def __init__(self) -> None:
+        self.reasoning: str | None = None
+        self.has_reasoning = False
+        self.content: str | None = None
+        self.calls: list[ToolCall] = []
+
+    def message(self) -> ChatMessage:
+        return ChatMessage("assistant", self.content or "", tuple(self.calls), reasoning=self.reasoning)
+
+
+def _input_messages(value: str | list[Any], kinds: dict[str, tuple[str, str | None]]) -> list[ChatMessage]:
+    if isinstance(value, str):
+        return [ChatMessage("user", value)]
+    out: list[ChatMessage] = []
+    answer: _Answer | None = None
+
+    def flush() -> None:
+        nonlocal answer
+        if answer is not None:
+            out.append(answer.message())
+            answer = None
+
+    for i, item in enumerate(value):
+        where = f"input.{i}"
+        if isinstance(item, ReasoningItem):
+            if answer is not None:
+                flush()
+            answer = _Answer()
+            answer.has_reasoning, answer.reasoning = True, _reasoning_text(item)
+        elif isinstance(item, MessageItem) and item.role == "assistant":
+            if answer is not None and (answer.content is not None or answer.calls):
+                flush()
+            answer = answer or _Answer()
+            answer.content = _text(item.content, where)
+        elif isinstance(item, FunctionCallItem | CustomToolCallItem):
+            answer = answer or _Answer()
+            answer.calls.append(_call(item))
+        elif isinstance(item, MessageItem):
+            flush()
+            role = "system" if item.role in ("system", "developer") else "user"
+            out.append(ChatMessage(role, _text(item.content, where)))  # type: ignore[arg-type]
+        elif isinstance(item, ToolOutputItem):
+            flush()
+            out.append(ChatMessage("tool", _text(item.output, where), tool_call_id=item.call_id))
+        else:
+            raise ChatRequestError(
+                f"{where}: input items of type {item.type!r} are not supported here (messages, function calls and "
+                "their outputs, reasoning)",
+                param=where,
+            )
+    flush()
+    if not out:
+        raise ChatRequestError("input holds no message", param="input")
+    return out
+
+
+def _call(item: FunctionCallItem | CustomToolCallItem) -> ToolCall:
+    name = item.name if item.namespace is None else f"{item.namespace}.{item.name}"
+    if isinstance(item, CustomToolCallItem):
+        return ToolCall(item.call_id, name, orjson.dumps({"input": item.input}).decode())
+    return ToolCall(item.call_id, name, item.arguments)
+
+
+def _reasoning_text(item: ReasoningItem) -> str | None:
+    """The reasoning a reasoning item carries: its text, or the gateway's own encoding of it; None when it carries
+    only a summary or another server's encoding (the client dropped the reasoning)."""
+    if item.content:
+        return "\n".join(part.text for part in item.content if part.type == "reasoning_text")
+    if item.encrypted_content and item.encrypted_content.startswith(_ENCODED_PREFIX):
+        try:
+            return base64.urlsafe_b64decode(item.encrypted_content[len(_ENCODED_PREFIX) :]).decode()
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            return None
+    return None
+
+
+def encode_reasoning(reasoning: str) -> str:
+    return _ENCODED_PREFIX + base64.urlsafe_b64encode(reasoning.encode()).decode()
+
+
+def _echo(body: ResponsesRequest) -> dict[str, Any]:
+    """The request's settings a response object repeats."""
+    return {
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+        "previous_response_id": body.previous_response_id,
+        "store": body.store,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
+    }
+
+
+# ---- answers -------------------------------------------------------------------------------------------------
+def response_id(rid: str) -> str:
+    return f"resp_{rid}"
+
+
+def output_items(reply: AssistantReply, request: ChatRequest) -> list[dict[str, Any]]:
+    message = reply.message
+    items: list[dict[str, Any]] = []
+    if message.reasoning is not None:
+        items.append(reasoning_item(reply.rid, message.reasoning, request))
+    if message.content or not message.tool_calls:
+        items.append(message_item(reply.rid, message.content))
+    items.extend(call_item(call, request) for call in message.tool_calls)
+    return items
+
+
+def reasoning_item(rid: str, reasoning: str, request: ChatRequest, status: str = "completed") -> dict[str, Any]:
+    item: dict[str, Any] = {
+        "type": "reasoning",
+        "id": f"rs_{rid}",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": reasoning}],
+        "status": status,
+    }
+    if request.options.get("encrypted_reasoning"):
+        item["encrypted_content"] = encode_reasoning(reasoning)
+    return item
+
+
+def message_item(rid: str, text: str, status: str = "completed") -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "message", "id": f"msg_{rid}", "status": status, "role": "assistant", "content": [part]}
+
+
+def call_item(call: ToolCall, request: ChatRequest) -> dict[str, Any]:
+    kind, namespace = request.options.get("tool_kinds", {}).get(call.name, ("function", None))
+    name = call.name if namespace is None else call.name[len(namespace) + 1 :]
+    item: dict[str, Any]
+    if kind == "custom":
+        value = call.arguments_value()
+        text = value.get("input") if isinstance(value, dict) and isinstance(value.get("input"), str) else call.arguments
+        item = {"type": "custom_tool_call", "id": f"ctc_{call.id}", "call_id": call.id, "name": name, "input": text}
+    else:
+        item = {
+            "type": "function_call",
+            "id": f"fc_{call.id}",
+            "call_id": call.id,
+            "name": name,
+            "arguments": call.arguments,
+        }
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item | {"status": "completed"}
+
+
+def usage_json(reply: AssistantReply) -> dict[str, Any]:
+    return {
+        "input_tokens": reply.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": reply.cached_tokens},
+        "output_tokens": reply.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    }
+
+
+def response_json(
+    rid: str,
+    request: ChatRequest,
+    model: str,
+    created: int,
+    *,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    incomplete: str | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": response_id(rid),
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "background": False,
+        "error": error,
+        "incomplete_details": None if incomplete is None else {"reason": incomplete},
+        "model": model,
+        "output": output,
+        "reasoning": {"effort": None, "summary": None},
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "metadata": {},
+        "usage": usage,
+        **request.options.get("echo", {}),
+    }
+
+
+def _status(reply: AssistantReply) -> tuple[str, str | None]:
+    if reply.finish == "length":
+        return "incomplete", "max_output_tokens"
+    if reply.finish == "abort":
+        return "incomplete", "aborted"
+    return "completed", None
+
+
+def answer_json(result: ChatResult, request: ChatRequest, model: str) -> dict[str, Any]:
+    reply = result.reply
+    status, incomplete = _status(reply)
+    body = response_json(
+        reply.rid,
+        request,
+        model,
+        int(time.time()),
+        status=status,
+        output=output_items(reply, request),
+        usage=usage_json(reply),
+        incomplete=incomplete,
+    )
+    return body | {"gateway": result.gateway_json()}
+
+
+def stream_writer(request: ChatRequest, model: str) -> EventWriter:
+    return EventWriter(request, model)
+
+
+class EventWriter:
+    """The stream as the Responses API sends it: ``response.created`` and ``response.in_progress``; a reasoning item
+    (``response.reasoning_text.delta``), a message item (``response.output_text.delta``), each opened with
+    ``response.output_item.added`` / ``response.content_part.added`` and closed with their ``.done`` events; one
+    function-call item per call (``response.function_call_arguments.delta`` / ``.done``); then
+    ``response.completed`` (``response.incomplete`` when cut by the length, ``response.failed`` on an error)."""
+
+    def __init__(self, request: ChatRequest, model: str) -> None:
+        self.request = request
+        self.model = model
+        self.created = int(time.time())
+        self.rid = "pending"
+        self._sequence = 0
+        self._output: list[dict[str, Any]] = []  # the items done so far
+        self._open: Literal["reasoning", "message"] | None = None
+        self._text: list[str] = []
+
+    def _event(self, kind: str, data: dict[str, Any]) -> bytes:
+        body = {"type": kind, "sequence_number": self._sequence, **data}
+        self._sequence += 1
+        return b"event: %b\ndata: %b\n\n" % (kind.encode(), orjson.dumps(body))
+
+    def _response(self, status: str, **extra: Any) -> dict[str, Any]:
+        return response_json(
+            self.rid, self.request, self.model, self.created, status=status, output=self._output, **extra
+        )
+
+    def start(self, turn: StreamTurn) -> bytes:
+        self.rid = turn.rid
+        response = self._response("in_progress")
+        return self._event("response.created", {"response": response}) + self._event(
+            "response.in_progress", {"response": response}
+        )
+
+    def event(self, event: StreamEvent) -> bytes:
+        out: list[bytes] = []
+        if event.reasoning:
+            out.append(self._delta("reasoning", event.reasoning))
+        if event.text:
+            out.append(self._delta("message", event.text))
+        if event.end:
+            out.append(self._end(event))
+        return b"".join(out)
+
+    def _item(self, kind: Literal["reasoning", "message"], status: str) -> dict[str, Any]:
+        text = "".join(self._text)
+        if kind == "reasoning":
+            return reasoning_item(self.rid, text, self.request, status)
+        return message_item(self.rid, text, status)
+
+    def _delta(self, kind: Literal["reasoning", "message"], text: str) -> bytes:
+        out = []
+        if self._open != kind:
+            if self._open is not None:
+                out.append(self._close())
+            self._open, self._text = kind, []
+            index = len(self._output)
+            item = self._item(kind, "in_progress")
+            item["content"] = []
+            item.pop("encrypted_content", None)
+            out.append(self._event("response.output_item.added", {"output_index": index, "item": item}))
+            part = self._part(kind, "")
+            data = {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part}
+            out.append(self._event("response.content_part.added", data))
+        self._text.append(text)
+        data = {"item_id": self._item_id(kind), "output_index": len(self._output), "content_index": 0, "delta": text}
+        if kind == "message":
+            out.append(self._event("response.output_text.delta", data | {"logprobs": []}))
+        else:
+            out.append(self._event("response.reasoning_text.delta", data))
+        return b"".join(out)
+
+    def _item_id(self, kind: str) -> str:
+        return f"rs_{self.rid}" if kind == "reasoning" else f"msg_{self.rid}"
+
+    @staticmethod
+    def _part(kind: str, text: str) -> dict[str, Any]:
+        if kind == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _close(self) -> bytes:
+        assert self._open is not None
+        kind, text, index = self._open, "".join(self._text), len(self._output)
+        item_id = self._item_id(kind)
+        done = "response.output_text.done" if kind == "message" else "response.reasoning_text.done"
+        out = [
+            self._event(done, {"item_id": item_id, "output_index": index, "content_index": 0, "text": text}),
+            self._event(
+                "response.content_part.done",
+                {"item_id": item_id, "output_index": index, "content_index": 0, "part": self._part(kind, text)},
+            ),
+        ]
+        item = self._item(kind, "completed")
+        out.append(self._event("response.output_item.done", {"output_index": index, "item": item}))
+        self._output.append(item)
+        self._open = None
+        return b"".join(out)
+
+    def _end(self, event: StreamEvent) -> bytes:
+        out: list[bytes] = []
+        reply = event.reply
+        if (
+            reply is not None
+            and not reply.message.tool_calls
+            and self._open is None
+            and not any(item["type"] == "message" for item in self._output)
+        ):
+            out.append(self._delta("message", ""))  # every answer has a message or a call, as in a unary one
+        if self._open is not None:
+            out.append(self._close())
+        if reply is None:
+            error = openai_error_json(event.error or {})
+            failure = {"code": error.get("code") or error["type"], "message": error["message"]}
+            out.append(self._event("response.failed", {"response": self._response("failed", error=failure)}))
+            return b"".join(out)
+        for call in reply.message.tool_calls:
+            out.append(self._call(call))
+        status, incomplete = _status(reply)
+        if event.error is not None:  # a turn cut by an error after some tokens: folded, and reported
+            error = openai_error_json(event.error)
+            failure = {"code": error.get("code") or error["type"], "message": error["message"]}
+            response = self._response("failed", usage=usage_json(reply), error=failure)
+            out.append(self._event("response.failed", {"response": response}))
+            return b"".join(out)
+        response = self._response(status, usage=usage_json(reply), incomplete=incomplete)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        out.append(self._event(kind, {"response": response}))
+        return b"".join(out)
+
+    def _call(self, call: ToolCall) -> bytes:
+        item = call_item(call, self.request)
+        index = len(self._output)
+        opened = {**item, "status": "in_progress"}
+        field = "input" if item["type"] == "custom_tool_call" else "arguments"
+        opened[field] = ""
+        value = item[field]
+        prefix = "custom_tool_call_input" if item["type"] == "custom_tool_call" else "function_call_arguments"
+        out = [
+            self._event("response.output_item.added", {"output_index": index, "item": opened}),
+            self._event(f"response.{prefix}.delta", {"item_id": item["id"], "output_index": index, "delta": value}),
+            self._event(
+                f"response.{prefix}.done",
+                {"item_id": item["id"], "output_index": index, field: value, "name": item["name"]},
+            ),
+            self._event("response.output_item.done", {"output_index": index, "item": item}),
+        ]
+        self._output.append(item)
+        return b"".join(out)
+
+
+# ---- errors: OpenAI's shape, as on the chat completions route ------------------------------------------------
+error_body = openai_error_body
