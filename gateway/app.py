@@ -25,7 +25,7 @@ from gateway.http_errors import InternalErrorMiddleware, error_response, from_ht
 from gateway.limits import RequestBodyLimitMiddleware
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.responses import json_response
-from gateway.routes import chat, health, passthrough, sessions
+from gateway.routes import chat, health, passthrough, sessions, ui
 from gateway.routes import metrics as metrics_route
 from gateway.state import GatewayState
 from gateway.store import SessionStore
@@ -106,6 +106,7 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
     app.include_router(passthrough.router)
     app.include_router(sessions.router)
     app.include_router(chat.router)
+    app.include_router(ui.router)
     return app
 
 

@@ -47,6 +47,7 @@ def session_view(session: Session) -> dict[str, Any]:
         "response": sample.response,
         "last_tokens": arrays["tokens"][-LAST_TOKENS_SHOWN:].tolist(),
         "turn_log": [t.to_json() for t in sample.turns],
+        "inspector": f"/ui/sessions/{session.session_id}",  # the session page of the gateway's inspector (/ui/)
     }
     if session.branches:
         view["branches"] = [_branch_summary(i, branch) for i, branch in enumerate(session.branches)]
