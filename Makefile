@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # CUDA build. Only the client SDK and its tests use torch; the gateway itself needs none.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test lint format demo bench clean routers redis test-sglang
+.PHONY: install test lint format demo bench clean routers redis chromium test-sglang
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: install routers redis
+test: install routers redis chromium
 	$(PY) -m pytest
 
 # The router tier of `make test`: the real SGLang routers from the package registry, each in its own venv (no
@@ -41,6 +41,12 @@ routers: $(ROUTER_STAMPS)
 # PATH, or Debian's package without a system install). When none can be had, those tests skip and say why.
 redis:
 	@bash scripts/redis_server.sh .redis
+
+# Debian's chromium for the session inspector's browser tests (Playwright drives it; no browser is downloaded): the
+# one on PATH, else `apt-get install chromium` as root. When none can be had, tests/test_ui.py's browser tests skip
+# and say why (.chromium/install.log).
+chromium:
+	@bash scripts/chromium.sh .chromium
 
 # Opt-in: a real SGLang engine on the CPU serving a tiny MoE (scripts/real_sglang/), installed into SGLANG_DIR;
 # ~3 min and ~3 GB on the first run, seconds afterwards (setup.sh is idempotent).
