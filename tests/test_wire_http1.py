@@ -35,9 +35,11 @@ from slime_wire.errors import (
 )
 from slime_wire.http1 import (
     BIG_BODY_BYTES,
+    HEAD_READ_BYTES,
     MAX_HEAD_BYTES,
     MAX_QUEUED_BYTES,
     RECEIVE_BUFFER_BYTES,
+    SINK_READ_BYTES,
     BodyBuffers,
     ConnectionPool,
     Response,
@@ -345,6 +347,90 @@ def test_read_into_a_body_arriving_slowly_then_more_answers_on_the_connection(ru
                 _, pooled = await fetch_raw(pool, b"/slow")  # the pooled-buffer path is counted alike
                 assert pooled[:] == body
             assert pool.connections_opened == 1
+
+    run(main())
+
+
+def low_water(pool: ConnectionPool) -> list[int]:
+    """SO_RCVLOWAT of each idle connection's socket."""
+    values = []
+    for connection in pool._idle:
+        assert connection._transport is not None
+        sock = connection._transport.get_extra_info("socket")
+        values.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
+    return values
+
+
+@pytest.mark.parametrize("size", [1 << 20, SINK_READ_BYTES + 3 * RECEIVE_BUFFER_BYTES + 7], ids=["1MB", "over-cap"])
+def test_a_counted_body_wakes_the_loop_once_what_is_missing_is_there(
+    run: Run, upstream: RawUpstream, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """A body received into its buffer sets SO_RCVLOWAT to the bytes still missing (at most SINK_READ_BYTES), lowers
+    it as they arrive (a mark above what is missing would never wake the loop), and puts it back to 1 for the next
+    answer's head. The head's own read is at most HEAD_READ_BYTES: body bytes in it are copied twice more."""
+    body = pattern(size, 3)
+    answer = ok(body)
+    steps: list[Step] = []
+    for start in range(0, len(answer), 300_000):  # in pieces, so that the loop would otherwise wake for each
+        steps += [answer[start : start + 300_000], 0.001]
+    upstream.reply = lambda request: steps if request.path == "/big" else echo(request)
+    marks: list[int] = []
+    head_reads: list[int] = []
+    wake_at, get_buffer = http1._Connection.wake_at, http1._Connection.get_buffer
+
+    def record_mark(self: Any, nbytes: int) -> None:
+        wake_at(self, nbytes)
+        sock = self._transport.get_extra_info("socket")
+        marks.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))  # what the kernel was told
+
+    def record_read(self: Any, sizehint: int) -> memoryview:
+        view = get_buffer(self, sizehint)
+        if self._exchange is not None and not self._exchange.head_complete:
+            head_reads.append(len(view))
+        return view
+
+    monkeypatch.setattr(http1._Connection, "wake_at", record_mark)
+    monkeypatch.setattr(http1._Connection, "get_buffer", record_read)
+
+    async def main() -> None:
+        async with open_pool(upstream.url) as pool:
+            for into in (True, False):
+                marks.clear()
+                response = await pool.request("GET", b"/big", timeout=5)
+                got = await (response.read(into=bytearray) if into else response.read())
+                assert bytes(got[:]) == body
+                assert marks[0] <= SINK_READ_BYTES and marks[-1] == 1  # set, then back to 1 at the end
+                missing = [mark for mark in marks[:-1] if mark > 1]
+                assert missing and missing == sorted(missing, reverse=True)  # lowered as the body arrives
+                assert low_water(pool) == [1]
+                assert (await fetch(pool, b"/next", "POST", b"x"))[1] == b"POST /next x"  # the next head is read
+            assert pool.connections_opened == 1
+        assert head_reads and max(head_reads) <= HEAD_READ_BYTES
+
+    run(main())
+
+
+def test_a_counted_body_cut_short_or_stalled_still_ends(run: Run, upstream: RawUpstream) -> None:
+    """With SO_RCVLOWAT set for the missing bytes, an upstream that closes mid-body is still noticed at once (the
+    kernel wakes the loop for the end of the stream), and one that stalls times out at the deadline."""
+    body = pattern(2 << 20, 4)
+    answer = ok(body)
+    replies = {"/cut": [answer[: len(answer) // 2], 0.05, CLOSE], "/stall": [answer[: len(answer) // 2], 5.0]}
+    upstream.reply = lambda request: replies.get(request.path) or echo(request)
+
+    async def main() -> None:
+        async with open_pool(upstream.url) as pool:
+            started = time.monotonic()
+            response = await pool.request("GET", b"/cut", timeout=5)
+            with pytest.raises(ConnectionLost):
+                await response.read(into=bytearray)
+            assert time.monotonic() - started < 2
+            started = time.monotonic()
+            response = await pool.request("GET", b"/stall", timeout=0.5)
+            with pytest.raises(ResponseTimeout):
+                await response.read(into=bytearray)
+            assert 0.4 < time.monotonic() - started < 2
+            assert (await fetch(pool, b"/after"))[1] == b"GET /after "
 
     run(main())
 
