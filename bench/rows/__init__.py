@@ -21,6 +21,7 @@ from bench.rows import (
     stream_turn,
     streaming,
     trainer_bytes,
+    ui_render,
     upstream_receive,
 )
 
@@ -52,4 +53,5 @@ ROWS: tuple[Row, ...] = (
     _row(13, chat_turn),
     _row(14, redis_turn),
     _row(15, replicas),
+    _row(16, ui_render),
 )

@@ -172,13 +172,20 @@
     return { rows, rowH, tickY, turnY, tokY, verY, lpY, heatY, heatH: rows * rowH, height };
   }
 
+  // The canvas at this CSS size, cleared. Its backing store is reallocated only when the size changes: a redraw
+  // while scrolling must not pay for a new one.
   function canvasSize(canvas, width, height) {
     const dpr = window.devicePixelRatio || 1;
-    canvas.width = Math.round(width * dpr);
-    canvas.height = Math.round(height * dpr);
-    canvas.style.width = `${width}px`;
-    canvas.style.height = `${height}px`;
+    const w = Math.round(width * dpr), h = Math.round(height * dpr);
     const ctx = canvas.getContext("2d");
+    if (canvas.width !== w || canvas.height !== h) {
+      canvas.width = w;
+      canvas.height = h;
+      canvas.style.width = `${width}px`;
+      canvas.style.height = `${height}px`;
+    }
+    ctx.setTransform(1, 0, 0, 1, 0, 0);
+    ctx.clearRect(0, 0, w, h);
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     return ctx;
   }
@@ -345,21 +352,37 @@
     }
   }
 
+  // The heatmap at one pixel per column and per (layer, slot) row, written into a reused ImageData row by row (runs
+  // of columns that show the same token are one fill), then scaled onto the tracks.
   function drawHeat(ctx, d, lay, plotW) {
     const width = Math.max(1, Math.floor(plotW)), rows = lay.rows;
     const scratch = S.heatCanvas || (S.heatCanvas = document.createElement("canvas"));
-    if (scratch.width !== width || scratch.height !== rows) { scratch.width = width; scratch.height = rows; }
-    const sctx = scratch.getContext("2d");
-    const image = sctx.createImageData(width, rows);
-    const out = new Uint32Array(image.data.buffer);
-    const { routed, R } = d, packed = d.palette.packed;
-    for (let px = 0; px < width; px++) {
-      const i = Math.floor((S.scroll + px) / S.cw);
-      if (i >= R) break;
-      const base = i * rows;
-      for (let j = 0; j < rows; j++) out[j * width + px] = packed[routed[base + j]];
+    if (scratch.width !== width || scratch.height !== rows || !S.heatImage) {
+      scratch.width = width;
+      scratch.height = rows;
+      S.heatImage = scratch.getContext("2d").createImageData(width, rows);
+      S.heatPixels = new Uint32Array(S.heatImage.data.buffer);
     }
-    sctx.putImageData(image, 0, 0);
+    const out = S.heatPixels;
+    const { routed, R } = d, packed = d.palette.packed;
+    const starts = [], tokens = [];
+    for (let px = 0; px < width;) {
+      const i = Math.floor((S.scroll + px) / S.cw);
+      let end = Math.min(width, Math.ceil((i + 1) * S.cw - S.scroll));
+      if (end <= px) end = px + 1;
+      starts.push(px);
+      tokens.push(i < R ? i * rows : -1);
+      px = end;
+    }
+    starts.push(width);
+    for (let j = 0; j < rows; j++) {
+      const row = j * width;
+      for (let s = 0; s < tokens.length; s++) {
+        const base = tokens[s];
+        out.fill(base < 0 ? 0 : packed[routed[base + j]], row + starts[s], row + starts[s + 1]);
+      }
+    }
+    scratch.getContext("2d").putImageData(S.heatImage, 0, 0);
     ctx.imageSmoothingEnabled = false;
     ctx.drawImage(scratch, 0, 0, width, rows, GUTTER, lay.heatY, width, lay.heatH);
     if (lay.rowH * d.K >= 6) { // layer separators where they can be seen
