@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # CUDA build. Only the client SDK and its tests use torch; the gateway itself needs none.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test lint format demo bench clean routers redis chromium test-sglang
+.PHONY: install test lint format demo bench clean routers redis chromium harnesses test-sglang
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: install routers redis chromium
+test: install routers redis chromium harnesses
 	$(PY) -m pytest
 
 # The router tier of `make test`: the real SGLang routers from the package registry, each in its own venv (no
@@ -41,6 +41,16 @@ routers: $(ROUTER_STAMPS)
 # PATH, or Debian's package without a system install). When none can be had, those tests skip and say why.
 redis:
 	@bash scripts/redis_server.sh .redis
+
+# The agent harnesses the chat tests drive (tests/test_harnesses.py): Claude Code and the Codex CLI from the npm
+# registry, pinned, into .harnesses/ (no global install). When they cannot be had, those tests skip and say why
+# (.harnesses/install.log).
+HARNESS_DIR ?= .harnesses
+CLAUDE_CODE_SPEC ?= @anthropic-ai/claude-code@2.1.332
+CODEX_SPEC ?= @openai/codex@0.171.0
+
+harnesses:
+	@bash scripts/harnesses.sh $(HARNESS_DIR) $(CLAUDE_CODE_SPEC) $(CODEX_SPEC)
 
 # Debian's chromium for the session inspector's browser tests (Playwright drives it; no browser is downloaded): the
 # one on PATH, else `apt-get install chromium` as root. When none can be had, tests/test_ui.py's browser tests skip

@@ -109,7 +109,10 @@ class FullView:
 
 
 def full_view(session: Session) -> FullView:
-    return FullView(session_view(session), session.sample.arrays())
+    view = session_view(session)
+    if session.chat is not None:  # the record whole: every message's text, the tools with their schemas
+        view["chat"]["record"] = session.chat.to_json()
+    return FullView(view, session.sample.arrays())
 
 
 def session_branch(session: Session, branch: int | None) -> SessionSample:

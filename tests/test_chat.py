@@ -438,10 +438,11 @@ def test_bad_anthropic_requests_are_400s_in_its_shape(chat_gateway: Service) -> 
         )
     assert refused.value.body["type"] == "error"
     assert refused.value.body["error"]["type"] == "invalid_request_error"
-    missing_max_tokens = httpx.post(
-        f"{chat_gateway.url}/v1/sessions/{sid}/v1/messages", json={"messages": [{"role": "user", "content": "x"}]}
+    wrong_max_tokens = httpx.post(
+        f"{chat_gateway.url}/v1/sessions/{sid}/v1/messages",
+        json={"max_tokens": "8", "messages": [{"role": "user", "content": "x"}]},
     )
-    assert missing_max_tokens.status_code == 400 and "max_tokens" in missing_max_tokens.json()["error"]["message"]
+    assert wrong_max_tokens.status_code == 400 and "max_tokens" in wrong_max_tokens.json()["error"]["message"]
     assert stable(view(chat_gateway, sid)) == stable(state)
 
 

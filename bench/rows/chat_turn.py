@@ -1,4 +1,5 @@
-"""Row 13: a chat turn (OpenAI Chat Completions on a session) against a token-level session turn, same answer.
+"""Row 13: a chat turn (OpenAI Chat Completions, and the OpenAI Responses API, on a session) against a token-level
+session turn, same answer.
 
 One gateway started with ``--tokenizer`` (the tiny chat tokenizer, ``gateway.simulator.tiny_tokenizer``) before the
 shared simulator serves both kinds of session. Each round builds one session of each kind up to the same point, then
@@ -8,6 +9,8 @@ times the same step on both, the order alternating:
   ~``prompt_tokens``), then, timed, the second chat completion: the whole history (user, the assistant's reply as it
   came back, a new ~``followup_tokens`` user message), which the gateway checks against the session's record,
   renders after the session's tokens (template + tokenizer) and answers;
+- responses: the same through ``POST /v1/sessions/{id}/responses`` as Codex sends it (``store: false``, the whole
+  input each turn: the user message, the answer's output items as they came back, the new user message);
 - token-level: ``POST /v1/sessions`` with ``prompt_ids`` of the chat prompt's exact length and a first
   ``/generate``, then, timed, ``/append`` of as many ids as the chat turn added and ``/generate``: what a
   token-level client sends for the same continuation.
@@ -95,6 +98,33 @@ class Sides:
         assert info["first_total"] - r > 0 and second["gateway"]["total_tokens"] > info["first_total"] + r, info
         return elapsed, cpu, float(second["gateway"]["render_ms"]), info
 
+    async def responses(self) -> tuple[float, float, float, dict[str, Any]]:
+        """The chat side's turns through the Responses API: (wall s, gateway CPU s, render ms, ``gateway``)."""
+        pool = self.pool
+        created = orjson.loads(await read_body(pool, "POST", "/v1/sessions", self.session))
+        path = f"/v1/sessions/{created['session_id']}"
+        try:
+            first = self.check_responses(await read_body(pool, "POST", f"{path}/responses", self.inputs([self.first])))
+            body = self.inputs([self.first, *first["output"], self.followup])
+            gateway, started = self.gateway.cpu_seconds(), time.perf_counter()
+            raw = await read_body(pool, "POST", f"{path}/responses", body)
+            elapsed, cpu = time.perf_counter() - started, self.gateway.cpu_seconds() - gateway
+        finally:
+            await read_body(pool, "DELETE", path)
+        second = self.check_responses(raw)
+        if second["gateway"]["total_tokens"] != self.total_tokens:
+            raise RuntimeError(f"responses session at {second['gateway']['total_tokens']}, chat at {self.total_tokens}")
+        return elapsed, cpu, float(second["gateway"]["render_ms"]), second["gateway"]
+
+    def inputs(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"input": items, "max_output_tokens": self.shape.response_tokens, "store": False}
+
+    def check_responses(self, raw: bytes) -> dict[str, Any]:
+        answer = orjson.loads(raw)
+        if answer.get("status") != "incomplete" or answer["usage"]["output_tokens"] != self.shape.response_tokens:
+            raise RuntimeError(f"the responses turn did not end as expected: {raw[-300:]!r}")
+        return answer
+
     def turn(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         return {"messages": messages, "max_tokens": self.shape.response_tokens}
 
@@ -150,18 +180,24 @@ async def measure(ctx: Context) -> dict[str, Any]:
     gateway = ctx.services.chat_gateway
     pool = ConnectionPool(gateway.url, max_connections=4, connect_timeout_s=5, pool_timeout_s=5)
     sides = Sides(ctx, gateway, pool, ctx.services.chat_tokenizer)
-    kinds = ("chat", "token", "generate", "chat cpu", "token cpu", "render", "first render")
-    got: dict[str, list[float]] = {kind: [] for kind in kinds}
+    kinds = ("chat", "responses", "token", "generate", "chat cpu", "responses cpu", "token cpu", "render")
+    got: dict[str, list[float]] = {kind: [] for kind in (*kinds, "first render", "responses render")}
+    order = ("chat", "responses", "token")
     try:
         _, _, _, info = await sides.chat()  # warm-up, and the lengths the token-level side copies
         sides.match(info)
         await sides.token()
+        await sides.responses()
         for round_number in range(shape.rounds):
-            for kind in ("chat", "token") if round_number % 2 == 0 else ("token", "chat"):
+            shift = round_number % len(order)  # each kind runs first, second and last in turn
+            for kind in order[shift:] + order[:shift]:
                 if kind == "chat":
                     wall, cpu, render, info = await sides.chat()
                     got["render"].append(render)
                     got["first render"].append(float(info["first_render_ms"]))
+                elif kind == "responses":
+                    wall, cpu, render, _ = await sides.responses()
+                    got["responses render"].append(render)
                 else:
                     wall, cpu, generate = await sides.token()
                     got["generate"].append(generate)
@@ -169,7 +205,8 @@ async def measure(ctx: Context) -> dict[str, Any]:
                 got[f"{kind} cpu"].append(cpu)
             log(
                 f"row 13: round {round_number + 1}/{shape.rounds}: chat {got['chat'][-1] * 1e3:.0f} ms "
-                f"(render {got['render'][-1]:.2f} ms), token {got['token'][-1] * 1e3:.0f} ms"
+                f"(render {got['render'][-1]:.2f} ms), responses {got['responses'][-1] * 1e3:.0f} ms, token "
+                f"{got['token'][-1] * 1e3:.0f} ms"
             )
     finally:
         await pool.aclose()
@@ -180,12 +217,13 @@ def run(ctx: Context) -> RowResult:
     shape = ctx.suite.chat_turn
     measured = uvloop.run(measure(ctx))
     got, info = measured["got"], measured["info"]
-    wall = {kind: median(got[kind]) * 1e3 for kind in ("chat", "token", "generate")}
-    cpu = {kind: median(got[f"{kind} cpu"]) * 1e3 for kind in ("chat", "token")}
+    wall = {kind: median(got[kind]) * 1e3 for kind in ("chat", "responses", "token", "generate")}
+    cpu = {kind: median(got[f"{kind} cpu"]) * 1e3 for kind in ("chat", "responses", "token")}
     render, first_render = median(got["render"]), median(got["first render"])
     # Paired: each round's chat turn over its own token-level turn (run back to back), then the median; a load that
     # comes and goes on the machine slows both turns of a round alike.
     chat_over_token = median([ratio(c, t) for c, t in zip(got["chat"], got["token"], strict=True)])
+    responses_over_token = median([ratio(c, t) for c, t in zip(got["responses"], got["token"], strict=True)])
     history = info["first_total"]  # tokens before the continuation
     return RowResult(
         number=13,
@@ -193,12 +231,16 @@ def run(ctx: Context) -> RowResult:
         measured=(
             f"second turn, median wall chat / token-level: {wall['chat']:.0f} / {wall['token']:.0f} ms "
             f"({ratio(wall['chat'], wall['token']):.2f}x; paired per round {chat_over_token:.2f}x; the token side's "
-            f"/generate alone {wall['generate']:.0f} ms); gateway CPU per "
-            f"turn {cpu['chat']:.0f} / {cpu['token']:.0f} ms ({ratio(cpu['chat'], cpu['token']):.2f}x); template "
+            f"/generate alone {wall['generate']:.0f} ms); Responses API {wall['responses']:.0f} ms (paired "
+            f"{responses_over_token:.2f}x); gateway CPU per turn chat / responses / token-level {cpu['chat']:.0f} / "
+            f"{cpu['responses']:.0f} / {cpu['token']:.0f} ms ({ratio(cpu['chat'], cpu['token']):.2f}x); template "
             f"render + tokenize (gateway.render_ms, median) {render:.2f} ms for the follow-up, {first_render:.2f} ms "
             "for the first prompt"
         ),
-        checks=[Check("chat/token-level turn", chat_over_token, GOAL, higher_is_better=False)],
+        checks=[
+            Check("chat/token-level turn", chat_over_token, GOAL, higher_is_better=False),
+            Check("responses/token-level turn", responses_over_token, GOAL, higher_is_better=False),
+        ],
         notes=[
             f"shapes: a {measured['prompt']}-token first prompt, a {shape.response_tokens}-token first answer, a "
             f"{measured['appended']}-token continuation (a ~{shape.followup_tokens}-token user message as the "
@@ -217,7 +259,10 @@ def run(ctx: Context) -> RowResult:
             "chat turn added, then POST /generate: what a token-level client sends for the same continuation (the "
             "token prompt and appended lengths are copied from the chat side's answers, and the totals checked "
             "equal every round)",
-            f"{shape.rounds} rounds after one warm-up round, chat and token-level in alternating order, fresh "
+            "responses: the same turns through POST /v1/sessions/{id}/responses as Codex sends them (store: false, "
+            "the whole input each turn, the first answer's output items as they came back), checked to end at the "
+            "same token count",
+            f"{shape.rounds} rounds after one warm-up round, the three kinds in rotating order, fresh "
             "sessions each round (created and run to the timed turn untimed, deleted after it); wall time from "
             "request to last byte with slime_wire's client in this process, medians; the check is the median of "
             "the per-round ratios (each round's two turns run back to back, so a passing load slows both); gateway "

@@ -123,7 +123,8 @@ class CountTokensRequest(ApiModel):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: Annotated[StrictInt, Field(ge=1)]
+    # Required by Anthropic's own API; here a request without it gets the gateway's default, as on the other APIs.
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[Number, Field(ge=0, le=1)] | None = None
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=1)] | None = None

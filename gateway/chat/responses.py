@@ -255,7 +255,9 @@ def to_chat_request(body: ResponsesRequest, hosted: HostedTools | None = None) -
 
 def _refuse_unsupported(body: ResponsesRequest) -> None:
     if body.background:
-        raise ChatRequestError("background responses are not supported: answers come in the request", "background")
+        raise ChatRequestError(
+            "background responses are not supported: answers come in the request", param="background"
+        )
     if body.text is not None and body.text.format is not None and body.text.format.type != "text":
         raise ChatRequestError("structured text.format is not supported", param="text.format")
     if body.top_logprobs:
