@@ -69,6 +69,7 @@ curl -fsS "$GW/v1/sessions/$SESSION" | "$PY" -m json.tool
 echo "==> the compact sample: curl -s $GW/v1/sessions/$SESSION/sample -o sample.safetensors"
 curl -fsS "$GW/v1/sessions/$SESSION/sample" -o "$LOGS/sample.safetensors"
 echo "    $(wc -c <"$LOGS/sample.safetensors") bytes of safetensors"
+echo "==> the session inspector: $GW/ui/sessions/$SESSION (every session: $GW/ui/)"
 
 # ---- agents on the chat API ----------------------------------------------------------------------------------------
 wait_healthy "$CHAT_SIM" "chat simulator" "$LOGS/chat-simulator.log" 60
@@ -80,6 +81,7 @@ echo "==> running examples/chat_agent.py (session $CHAT_SESSION: OpenAI client, 
 
 echo "==> the chat session: curl -s $CHAT_GW/v1/sessions/$CHAT_SESSION (turn log, replay, the chat record)"
 curl -fsS "$CHAT_GW/v1/sessions/$CHAT_SESSION" | "$PY" -m json.tool
+echo "==> the session inspector: $CHAT_GW/ui/sessions/$CHAT_SESSION (token texts from --tokenizer)"
 
 echo "==> a chat completion with curl alone: a session without prompt_ids, a scripted answer, the OpenAI request"
 curl -fsS "$CHAT_GW/v1/sessions" -d '{"session_id": "curl-chat"}'; echo
@@ -87,3 +89,9 @@ curl -fsS "$CHAT_SIM/sim/script" -d '{"rid_prefix": "curl-chat-", "answers": [{"
   >/dev/null
 curl -fsS "$CHAT_GW/v1/sessions/curl-chat/chat/completions" \
   -d '{"model": "tiny", "max_tokens": 32, "messages": [{"role": "user", "content": "Say hello."}]}' | "$PY" -m json.tool
+
+# DEMO_KEEP=1 make demo: the processes stay up (for the inspector links above) until Ctrl-C.
+if [ -n "${DEMO_KEEP:-}" ]; then
+  echo "==> DEMO_KEEP is set: open the inspector links above; Ctrl-C stops everything"
+  wait
+fi

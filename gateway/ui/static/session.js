@@ -415,12 +415,14 @@
       ctx.moveTo(px, lay.turnY);
       ctx.lineTo(px, lay.height);
       ctx.stroke();
+      ctx.fillStyle = mark.colour;
+      if (mark.dash) { // forks: labelled inside the log-prob track, clear of the turn labels
+        ctx.fillText(mark.label, px + 3, lay.lpY + 8);
+        continue;
+      }
       const room = mark.end !== undefined ? (mark.end - mark.at) * S.cw - 6 : 200;
       const label = ctx.measureText(mark.label).width <= room ? mark.label : mark.label.split(" ")[0];
-      if (ctx.measureText(label).width <= room || mark.dash) {
-        ctx.fillStyle = mark.colour;
-        ctx.fillText(label, px + 3, lay.turnY + TURN_H / 2);
-      }
+      if (ctx.measureText(label).width <= room) ctx.fillText(label, px + 3, lay.turnY + TURN_H / 2);
     }
     ctx.setLineDash([]);
   }
