@@ -27,10 +27,11 @@ ROUTED_EXPERTS_KEY = "routed_experts"
 # The base64 fields cut out of an answer before parsing it; of a group of aliases, the first one found.
 RAW_B64_GROUPS = ((ROUTED_EXPERTS_KEY,), TOP_P_ID_KEYS, TOP_P_OFFSET_KEYS)
 _ROUTED_EXPERTS_NEEDLE = b'"' + ROUTED_EXPERTS_KEY.encode() + b'":"'
-# Routing is decoded in steps of this many base64 characters (a multiple of 16: whole int32 per step). 256 KiB in,
-# 192 KiB out: each step's output is still in cache when it is checked and narrowed, and the GIL can change hands
-# between steps (a single 20 MB decode holds it for milliseconds).
-ROUTING_STEP_CHARS = 1 << 18
+# Routing is decoded in steps of this many base64 characters (a multiple of 16: whole int32 per step). 1 MiB in,
+# 768 KiB out: each step's output is still in the core's 2 MiB L2 when it is checked and narrowed, and the GIL can
+# change hands between steps (a single 20 MB decode holds it for milliseconds). Bench row 1, side by side: 256 KiB
+# steps cost ~10% more (each step's max and narrowing pay numpy's per-call set-up, ~80 steps per answer), 2 MiB too.
+ROUTING_STEP_CHARS = 1 << 20
 # What an upstream answer's bytes can arrive as: a big one is received into an anonymous mmap (see
 # ``slime_wire.http1.BodyBuffers``), which searches and slices like bytes.
 AnswerBytes = bytes | bytearray | mmap.mmap
@@ -202,7 +203,7 @@ def decode_int32_b64_run(body: AnswerBytes, start: int) -> tuple[np.ndarray, int
     """
     size = len(body)
     view = memoryview(body)
-    b64decode, frombuffer = pybase64.b64decode, np.frombuffer  # the loop runs ~100 times per answer
+    b64decode, frombuffer = pybase64.b64decode, np.frombuffer  # the loop runs ~20 times per answer
     full_step = ROUTING_STEP_CHARS // 4 * 3
     # At least the int32 count; the pages of the (small) excess are never touched, so they cost nothing.
     out = np.empty((size - start) * 3 // 16 + 1, dtype=np.uint8)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import orjson
@@ -14,8 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load as safetensors_load
 
+from gateway import codec
 from gateway.codec import (
     MAX_WEIGHT_VERSION_SPANS,
+    ROUTING_STEP_CHARS,
     VersionSpan,
     check_top_p_spans,
     decode_answer,
@@ -355,6 +359,72 @@ def test_unasked_missing_replay_data_is_fine() -> None:
     bare = body(routed_experts=None, top_p_token_ids=None, top_p_token_offsets=None)
     turn = decode(bare, want_routing=False, want_top_p=False)
     assert (turn.routed_experts, turn.top_p_ids, turn.top_p_offsets) == (None, None, None)
+
+
+# ---- the routing value decoded in steps, straight from the answer's bytes ---------------------------------------
+def outcome(call: Callable[[], Any]) -> tuple[Any, ...]:
+    """What decoding an answer gives: its routing (dtype, values, max) or the error it raises."""
+    try:
+        turn = call()
+    except UpstreamError as exc:
+        return ("error", type(exc).__name__, str(exc))
+    routed = turn.routed_experts
+    return ("ok", str(routed.dtype), routed.tolist(), turn.routed_max)
+
+
+ROUTING_IDS = st.one_of(st.integers(0, 255), st.integers(256, 70_000), st.integers(-(2**31), 2**31 - 1))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    values=st.lists(ROUTING_IDS, max_size=40),
+    cut=st.integers(0, 5),
+    edits=st.lists(st.tuples(st.integers(0, 10_000), st.sampled_from("A=/+!-_ \n\\é")), max_size=2),
+    step=st.sampled_from([16, 32, 64]),
+)
+def test_routing_decoded_in_steps_agrees_with_the_plain_path(
+    values: list[int], cut: int, edits: list[tuple[int, str]], step: int
+) -> None:
+    """Whatever the value holds (ids of any width, a negative one, garbage, early padding, an escape, a cut int32), and
+    wherever it falls against the steps' edges, the stepwise decode of the bytes gives what the plain path gives on the
+    parsed answer: the same array in the same dtype, or the same error."""
+    chars = list(b64_int32(values))
+    chars = chars[: len(chars) - cut] if cut < len(chars) else chars
+    for at, char in edits:
+        if chars:
+            chars[at % len(chars)] = char
+    data = body(routed_experts="".join(chars))
+    with mock.patch.object(codec, "ROUTING_STEP_CHARS", step):
+        stepwise = outcome(lambda: decode(data))
+    assert stepwise == outcome(lambda: decode(orjson.loads(data)))
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "expect"),
+    [
+        ("last step", 2**31, "negative expert id"),
+        ("first step", 300, "uint16"),
+        ("middle", 70_000, "uint32"),
+        ("middle", None, "not valid base64"),
+    ],
+)
+def test_a_big_routing_value_across_real_steps(where: str, value: int | None, expect: str) -> None:
+    """A multi-megabyte value over several real steps: a wide id or a negative one anywhere widens or refuses, and
+    garbage in the middle is reported as the plain path reports it."""
+    ids = np.random.default_rng(0).integers(0, 128, size=ROUTING_STEP_CHARS * 3 // 4 * 3 // 4 + 5)
+    at = {"first step": 7, "middle": len(ids) // 2, "last step": len(ids) - 1}[where]
+    if value is not None:
+        ids[at] = value
+    text = b64_int32(ids.astype(np.uint32).view(np.int32))
+    if value is None:
+        cut = at * 4 // 3 // 4 * 4
+        text = text[:cut] + "!" + text[cut + 1 :]
+    got = outcome(lambda: decode(body(routed_experts=text)))
+    assert got == outcome(lambda: decode(answer(routed_experts=text)))
+    if expect.startswith("uint"):
+        assert got[0] == "ok" and got[1] == expect and got[2] == ids.tolist() and got[3] == value
+    else:
+        assert got[0] == "error" and expect in got[2]
 
 
 # ---- decode_int32_b64 -----------------------------------------------------------------------------------------
