@@ -19,6 +19,8 @@ from gateway.codec import decode_generate_response
 from gateway.sample import MoEShape, SessionSample
 
 NAME = "decode + fold one answer"
+GOAL_VS_REFERENCE = 4.0
+GOAL_VS_BARE_B64 = 2.0
 
 
 def gateway_decode_fold(answer: Answer, sample: SessionSample, top_p: bool) -> SessionSample:
@@ -86,8 +88,8 @@ def run(ctx: Context) -> RowResult:
             f"bare b64 {best['b64'] * 1e3:.2f} ms (CPU)"
         ),
         checks=[
-            Check("faster than reference", speedup, 4.0, higher_is_better=True),
-            Check("gateway/bare b64", vs_b64, 3.0, higher_is_better=False),
+            Check("faster than reference", speedup, GOAL_VS_REFERENCE, higher_is_better=True),
+            Check("gateway/bare b64", vs_b64, GOAL_VS_BARE_B64, higher_is_better=False),
         ],
         notes=[
             f"answer: {shape.describe()}; raw JSON {len(answer.raw) / 2**20:.1f} MiB, "
@@ -98,5 +100,12 @@ def run(ctx: Context) -> RowResult:
             "mode, so the floor is the strictest)",
             f"time.process_time, best of {ctx.suite.decode_repeat}, the three interleaved (rotating order); both paths "
             "fold into a session sample made beforehand from the prompt, and are checked to produce the same sample",
+            "where the gateway's time goes (py-spy and per-step timers, interleaved as here, 2-core VM): the routing "
+            "pass ~3.9 ms against the bare pass's ~3.0 (the same base64 decode, DRAM-bound, plus a max and a narrowing "
+            "copy per 1 MiB step); orjson on the rest of the answer ~0.95 ms, ~0.8 of it the 8k [logprob, id, null] "
+            "lists (one Python list, float and int per token); those lists to checked arrays ~0.7 ms (exact types, "
+            "ranges, finiteness); the rest ~0.3 ms. A 2x floor needs the log-prob list parsed without Python objects "
+            "(no maintained library does: orjson/msgspec build them, simdjson's buffers cannot keep ids apart from "
+            "floats or skip the nulls), i.e. a compiled helper",
         ],
     )
