@@ -108,8 +108,9 @@ class Settings(BaseSettings):
     store: str = Field(
         "memory",
         description="where sessions live: 'memory' (this process, the default) or a Redis URL, "
-        "redis://host:port/db (sessions survive restarts and are shared by gateway replicas)",
-        pattern=r"^(memory|rediss?://.+)$",
+        "redis://host:port/db (sessions survive restarts and are shared by gateway replicas), or "
+        "redis+cluster://host:port, a seed node of a Redis Cluster (rediss:// and rediss+cluster:// for TLS)",
+        pattern=r"^(memory|rediss?(\+cluster)?://.+)$",
     )
     redis_lease_s: float = Field(
         30.0,
@@ -117,7 +118,12 @@ class Settings(BaseSettings):
         description="with the Redis store: how long a turn's hold on a session outlives a replica that died "
         "holding it (renewed while the turn runs)",
     )
-    redis_prefix: str = Field("slime-gateway", min_length=1, description="the Redis store's key prefix")
+    redis_prefix: str = Field(
+        "slime-gateway",
+        min_length=1,
+        pattern=r"^[^{}]+$",
+        description="the Redis store's key prefix (no braces: a session's keys carry its own Redis Cluster hash tag)",
+    )
     tokenizer: str | None = Field(
         None,
         description="the served model's Hugging Face tokenizer directory (with its chat template): enables the "

@@ -1,5 +1,5 @@
-"""The Redis session store (``GATEWAY_STORE=redis://host:port/db``): sessions that survive restarts and that any
-gateway replica serves.
+"""The Redis session store (``GATEWAY_STORE=redis://host:port/db``, or ``redis+cluster://host:port`` for a Redis
+Cluster): sessions that survive restarts and that any gateway replica serves.
 
 Each replica keeps the sessions it touches in memory, as the in-memory store does (the fold, the views and the
 sample encodes run on those arrays unchanged), and Redis holds the truth:
@@ -7,15 +7,26 @@ sample encodes run on those arrays unchanged), and Redis holds the truth:
 - **Appends cost the new bytes.** Every array of a sample is one Redis string; a turn ``APPEND``s the items it added
   (``GrowableArray.generation`` says whether earlier items changed, as when an upstream resends all routing rows:
   then the string is rewritten). The turn log is a list (``RPUSH``), the response text a string (``APPEND``), the
-  small fields (status, counters, versions, metadata, the chat record) a hash.
-- **All or nothing.** What one turn or append changed is written in one ``MULTI``/``EXEC`` transaction when the
-  session is released. A replica killed before it leaves Redis as before the turn; a write that fails (Redis down)
-  is a 503 ``store_unavailable``, and the local copy is dropped so the next request reads Redis again.
-- **One turn at a time, across replicas.** A turn holds a lease (``SET key NX PX``), renewed while it runs, so a
-  second turn from any replica is a 409 and a replica that dies mid-turn frees the session when the lease runs out.
-  The transaction is guarded by the lease (``WATCH``): a replica that lost it cannot write.
-- **A version per session**, bumped by each write: a replica whose copy is older (another replica ran a turn)
-  reloads the session before using it; otherwise it uses its copy without reading the arrays.
+  small fields (status, counters, metadata, the chat record) a hash, written only when they changed.
+- **One round trip per write, all or nothing.** What one turn or append changed is written when the session is
+  released, by one server-side script (``WRITE``) that checks the lease, applies every change and lets the lease go.
+  A replica killed before it leaves Redis as before the turn; a write that fails is a 503 ``store_unavailable``, and
+  the local copy is dropped so the next request reads Redis again.
+- **One turn at a time, across replicas.** A turn holds a lease (``ACQUIRE``: taken only on a session that exists,
+  in the same round trip that reads its stamp), renewed while it runs, so a second turn from any replica is a 409 and
+  a replica that dies mid-turn frees the session when the lease runs out. Only the lease's holder can write.
+- **A session is its incarnation and its stamp, not its id.** ``incarnation`` is drawn at create, ``stamp`` at every
+  write (random, never a counter): a replica uses its copy only while both equal Redis's. A session deleted and
+  created again under the same id (by any replica, by the idle sweep, by a re-sent create), or rolled back by a
+  Redis restarted from an older snapshot, has another incarnation or stamp, so the copy is reloaded, and a write
+  based on a copy that is not Redis's is refused by the script itself.
+- **Late commands are fenced.** A command that reaches Redis after its request gave up (Redis paused past
+  ``SOCKET_TIMEOUT_S``: the request answered 503) neither takes a lease nor writes: the scripts compare Redis's clock
+  with a deadline the replica sets (``FENCE_S`` after sending, on Redis's clock as last measured). Connections
+  found dead (Redis restarted) are retried once: every script is safe to run twice.
+- **Keys no session id can collide with, one slot per session.** Every key of a session is
+  ``PREFIX:s:{ID}...`` with ``%``, ``{`` and ``}`` escaped in the id: the braces are the Redis Cluster hash tag (all of
+  a session's keys in one slot, so its scripts run on one node), and no id's keys can be another's.
 
 Aborts go to the replica running the turn (``POST /abort`` elsewhere answers which instance holds it).
 ``GATEWAY_MAX_STORED_BYTES`` bounds the bytes a replica keeps in memory: past it, the least recently used idle
@@ -26,16 +37,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import numpy as np
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, WatchError
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from gateway.buffers import GrowableArray
 from gateway.chat.conversation import ChatRecord
@@ -44,6 +60,8 @@ from gateway.sample import MoEShape, SessionSample, Status, TurnRecord
 from gateway.store import Session, SessionStore
 
 log = logging.getLogger("gateway.redis_store")
+
+Client = aioredis.Redis | RedisCluster
 
 # The sample's arrays: attribute -> dtype (None: stored with the sample, routing's narrowest unsigned type).
 ARRAYS: dict[str, type | None] = {
@@ -55,13 +73,159 @@ ARRAYS: dict[str, type | None] = {
     "top_p_offsets": np.int32,
     "routed_experts": None,
 }
+PARTS = (*ARRAYS, "meta", "turns", "text")  # a sample's keys
+SOCKET_TIMEOUT_S = 5.0
+# A script that runs later than this after its command was sent does nothing: its request gives up at
+# SOCKET_TIMEOUT_S, and the second between leaves room for the answer to arrive before that.
+FENCE_S = SOCKET_TIMEOUT_S - 1.0
+READ_ATTEMPTS = 3  # a whole-session read, or a delete, retried while writes land in between
+
+_NOW_MS = """
+local function past(deadline)
+  deadline = tonumber(deadline)
+  if deadline == 0 then return false end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > deadline
+end
+"""
+
+# KEYS: the session's hash, its lease. ARGV: the lease value, its time to live (ms), the deadline (ms on Redis's
+# clock, 0: none). Answers {'ok', incarnation, stamp}, {'busy', holder}, {'missing'} or {'late'}. Run twice (a
+# resend after a lost answer), it answers 'ok' again: the lease holds its own value.
+_ACQUIRE = (
+    _NOW_MS
+    + """
+if past(ARGV[3]) then return {'late'} end
+local found = redis.call('HMGET', KEYS[1], 'incarnation', 'stamp')
+if not found[2] then return {'missing'} end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[1] then return {'busy', holder} end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+return {'ok', found[1] or '', found[2]}
+"""
+)
+
+# KEYS[1]: the session's hash, KEYS[2]: its lease, KEYS[3..]: the keys the operations name. ARGV: 1 the lease value
+# ('' to create the session), 2 the incarnation, 3 the stamp the write is based on ('' to create), 4 the new stamp,
+# 5 the deadline, 6 the number n of hash fields, then n field/value pairs, then operations as (code, key index,
+# value) triples. Answers 'ok', 'done' (this very write already happened: a resend), 'exists' (create), 'lease' (not
+# the lease's holder), 'stale' (the session is not the one the write is based on) or 'late'; only 'ok' changed
+# anything. The lease is let go on 'ok', 'stale' and 'late': the request that holds it ends with this answer.
+_WRITE = (
+    _NOW_MS
+    + """
+local found = redis.call('HMGET', KEYS[1], 'incarnation', 'stamp')
+if found[2] == ARGV[4] then return 'done' end
+local mine = ARGV[1] ~= '' and redis.call('GET', KEYS[2]) == ARGV[1]
+if past(ARGV[5]) then
+  if mine then redis.call('DEL', KEYS[2]) end
+  return 'late'
+end
+if ARGV[3] == '' then
+  if found[2] then return 'exists' end
+elseif not mine then
+  return 'lease'
+elseif found[1] ~= ARGV[2] or found[2] ~= ARGV[3] then
+  redis.call('DEL', KEYS[2])
+  return 'stale'
+end
+local i = 7
+for _ = 1, tonumber(ARGV[6]) do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+redis.call('HSET', KEYS[1], 'incarnation', ARGV[2], 'stamp', ARGV[4])
+while i <= #ARGV do
+  local code, key, value = ARGV[i], KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2]
+  if code == 'A' then redis.call('APPEND', key, value)
+  elseif code == 'S' then redis.call('SET', key, value, 'KEEPTTL')
+  elseif code == 'R' then redis.call('RPUSH', key, value)
+  elseif code == 'D' then redis.call('DEL', key)
+  elseif code == 'E' then redis.call('PEXPIRE', key, value)
+  else return redis.error_reply('unknown operation ' .. code) end
+  i = i + 3
+end
+if mine then redis.call('DEL', KEYS[2]) end
+return 'ok'
+"""
+)
+
+# KEYS[1]: the session's hash, KEYS[2]: its lease, KEYS[3..]: its other keys, as listed at stamp ARGV[1]. ARGV[2]:
+# delete only if idle since then (its updated_at, seconds; '': whatever it is). Answers {'ok'}, {'missing'},
+# {'changed'} (written since it was listed: list again), {'busy', holder} or {'fresh', updated_at}.
+_DELETE = """
+local found = redis.call('HMGET', KEYS[1], 'stamp', 'updated_at')
+if not found[1] then return {'missing'} end
+if found[1] ~= ARGV[1] then return {'changed'} end
+local holder = redis.call('GET', KEYS[2])
+if holder then return {'busy', holder} end
+if ARGV[2] ~= '' and tonumber(found[2]) >= tonumber(ARGV[2]) then return {'fresh', found[2]} end
+for _, key in ipairs(KEYS) do redis.call('DEL', key) end
+return {'ok'}
+"""
+
 # Deletes the lease, or extends it, only while it is ours (a lease that ran out may be another replica's now).
 _UNLOCK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 _RENEW = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
 )
-SOCKET_TIMEOUT_S = 5.0
-WRITE_ATTEMPTS = 3
+
+
+class Script:
+    """A Lua script run by its digest (``EVALSHA``), sent whole (``EVAL``, which also caches it) when the server does
+    not know it yet: a fresh or restarted Redis, a new cluster node."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    async def __call__(self, client: Client, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
+        except NoScriptError:
+            return await client.eval(self.text, len(keys), *keys, *args)  # type: ignore[misc]
+
+
+class Keys:
+    """The store's key names. A session's keys share the hash tag ``{ID}`` (one Redis Cluster slot), the id escaped so
+    that no id's keys can be another's: ``%``, ``{`` and ``}`` become ``%25``, ``%7B`` and ``%7D``, and what follows
+    the tag is the store's own."""
+
+    def __init__(self, prefix: str) -> None:
+        if "{" in prefix or "}" in prefix:
+            raise ValueError("the Redis key prefix must not hold '{' or '}' (the hash tag is the session's)")
+        self.prefix = prefix
+        self.index = f"{prefix}:index"
+
+    def session(self, session_id: str) -> str:
+        tag = session_id.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+        return f"{self.prefix}:s:{{{tag}}}"
+
+    @staticmethod
+    def lease(session_key: str) -> str:
+        return f"{session_key}:lease"
+
+    @staticmethod
+    def part(session_key: str, sample_id: str, part: str) -> str:
+        return f"{session_key}:x:{sample_id}:{part}"
+
+    def all(self, session_key: str, sample_ids: list[str]) -> list[str]:
+        return [session_key] + [self.part(session_key, x, part) for x in sample_ids for part in PARTS]
+
+
+def connect(url: str) -> Client:
+    """A client for ``redis[s]://`` (one server) or ``redis[s]+cluster://`` (a seed node of a Redis Cluster).
+
+    Retries: a connection found dead (Redis restarted since it was pooled) is retried once at once; a timeout is not
+    (the scripts fence a late command themselves). The cluster client also retries once after refreshing its map of
+    the slots (a node failed over)."""
+    common: dict[str, Any] = {"socket_timeout": SOCKET_TIMEOUT_S, "socket_connect_timeout": SOCKET_TIMEOUT_S}
+    scheme, rest = url.split("://", 1)
+    if scheme.endswith("+cluster"):
+        return RedisCluster.from_url(
+            f"{scheme.removesuffix('+cluster')}://{rest}", retry=Retry(NoBackoff(), 1), **common
+        )
+    return aioredis.from_url(url, retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **common)
 
 
 class RedisSessionStore(SessionStore):
@@ -79,40 +243,49 @@ class RedisSessionStore(SessionStore):
     ) -> None:
         super().__init__(max_sessions, max_session_tokens=max_session_tokens, max_stored_bytes=None)
         self._url = url
-        self._prefix = prefix
+        self._cluster = url.split("://", 1)[0].endswith("+cluster")
+        self._keys = Keys(prefix)
         self._lease_ms = int(lease_s * 1000)
         self._instance = instance_id
         self._cache_bytes = max_stored_bytes
         # Redis drops a session's keys by itself once it is idle this long (0: never), even with no gateway left to
         # sweep: twice the sweep's TTL, so the sweep (which also keeps the index) normally comes first.
         self._key_ttl_ms = int(2 * idle_ttl_s * 1000)
-        self._ttl_refreshed: dict[str, float] = {}  # session id -> when this replica last pushed all its TTLs
-        self._redis: aioredis.Redis | None = None
+        self._ttl_refreshed: dict[str, float] = {}  # session id -> when this replica last pushed its TTLs and score
+        self._redis: Client | None = None
         self._leases: dict[str, str] = {}  # session id -> the lease value this replica holds
-        self._versions: dict[str, int] = {}  # session id -> the version of the local copy
+        self._cached: dict[str, tuple[str, str]] = {}  # session id -> (incarnation, stamp) of the local copy
+        self._written: dict[str, dict[str, bytes]] = {}  # session id -> its hash's small fields, as Redis has them
+        self._clock_offset_s: float | None = None  # Redis's clock less ours (the latest of a cluster's primaries)
         self._count = 0
         self._renewer: asyncio.Task[None] | None = None
+        self._cleanups: set[asyncio.Task[None]] = set()
+        self._scripts = [Script(text) for text in (_ACQUIRE, _WRITE, _DELETE, _UNLOCK, _RENEW)]
+        self._acquire_script, self._write_script, self._delete_script, self._unlock_script, self._renew_script = (
+            self._scripts
+        )
 
     # ---- life ------------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._redis = aioredis.from_url(
-            self._url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S
-        )
-        self._unlock_script = self._redis.register_script(_UNLOCK)
-        self._renew_script = self._redis.register_script(_RENEW)
+        self._redis = connect(self._url)
         try:
-            await self._refresh_count()
-            log.info("session store: Redis %s (prefix %r), %d sessions", self._safe_url, self._prefix, self._count)
+            with self._errors("start"):
+                await self._measure_clock()
+                await self._refresh_count()
+                for script in self._scripts:  # known to Redis from the first request (EVALSHA needs no EVAL)
+                    await self.redis.script_load(script.text)
+            log.info("session store: Redis %s (prefix %r), %d sessions", self._safe_url, self._keys.prefix, self._count)
         except StoreUnavailable as exc:  # serve anyway: requests get 503s until Redis is back
             log.error("session store: Redis %s unreachable at start: %s", self._safe_url, exc.message)
         self._renewer = asyncio.create_task(self._renew_leases(), name="redis-leases")
 
     async def aclose(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
+        for task in (self._renewer, *self._cleanups):
+            if task is not None:
+                task.cancel()
         for session_id, value in list(self._leases.items()):
-            with contextlib.suppress(RedisError, OSError):
-                await self._unlock_script(keys=[self._lease_key(session_id)], args=[value])
+            with contextlib.suppress(RedisError, RedisClusterException, OSError):
+                await self._unlock(session_id, value)
         if self._redis is not None:
             await self._redis.aclose()
 
@@ -124,26 +297,8 @@ class RedisSessionStore(SessionStore):
     def count(self) -> int:
         return self._count
 
-    # ---- keys ------------------------------------------------------------------------------------------------
-    def _key(self, session_id: str) -> str:
-        return f"{self._prefix}:s:{session_id}"
-
-    def _lease_key(self, session_id: str) -> str:
-        return f"{self._key(session_id)}:lease"
-
-    def _sample_key(self, session_id: str, sample_id: str, part: str) -> str:
-        return f"{self._key(session_id)}:x:{sample_id}:{part}"
-
-    def _session_keys(self, session_id: str, sample_ids: list[str]) -> list[str]:
-        parts = (*ARRAYS, "meta", "turns", "text")
-        return [self._key(session_id)] + [self._sample_key(session_id, x, part) for x in sample_ids for part in parts]
-
     @property
-    def _index(self) -> str:
-        return f"{self._prefix}:index"
-
-    @property
-    def redis(self) -> aioredis.Redis:
+    def redis(self) -> Client:
         if self._redis is None:
             raise StoreUnavailable("the Redis session store is not started")
         return self._redis
@@ -152,12 +307,17 @@ class RedisSessionStore(SessionStore):
     def _errors(self, what: str) -> Iterator[None]:
         try:
             yield
-        except WatchError:
-            raise StoreUnavailable(
-                f"{what}: the session's hold ran out before its write", reason="lease_lost"
-            ) from None
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             raise StoreUnavailable(f"{what}: the Redis session store failed: {exc}", reason="redis") from exc
+
+    def _token(self) -> str:
+        return f"{self._instance}:{secrets.token_hex(8)}"
+
+    def _deadline_ms(self) -> int:
+        """When a command sent now must have run by, on Redis's clock (0: no fence until the clock is measured)."""
+        if self._clock_offset_s is None:
+            return 0
+        return int((time.time() + self._clock_offset_s + FENCE_S) * 1000)
 
     # ---- the store API ---------------------------------------------------------------------------------------
     async def create(
@@ -171,18 +331,11 @@ class RedisSessionStore(SessionStore):
         session = self._new_session(sample, session_id, metadata, sampling_defaults)
         sid = session.session_id
         with self._errors("create"):
-            self._check_session_count(await self.redis.zcard(self._index))
-            value = await self._lock(sid)
-            if value is None or await self.redis.exists(self._key(sid)):
-                if value is not None:
-                    await self._unlock_script(keys=[self._lease_key(sid)], args=[value])
-                raise SessionExists(f"session {sid!r} already exists", session_id=sid)
-            try:
-                await self._write(session, value)  # lets the hold go in the same transaction
-            except BaseException:
-                with contextlib.suppress(RedisError, OSError):
-                    await self._unlock_script(keys=[self._lease_key(sid)], args=[value])
-                raise
+            self._check_session_count(await self.redis.zcard(self._keys.index))
+            answer = await self._write(session, lease="", incarnation=secrets.token_hex(8), base="")
+        if answer == "exists":
+            raise SessionExists(f"session {sid!r} already exists", session_id=sid)
+        self._check_written(sid, answer)
         self._register(session)
         self._count += 1
         return session
@@ -192,43 +345,51 @@ class RedisSessionStore(SessionStore):
         if local is not None and local.busy:  # a turn runs here: this copy is the newest there is
             return local
         with self._errors("read"):
-            version = await self.redis.hget(self._key(session_id), "version")
-        return await self._fresh(session_id, version)
-
-    async def _fresh(self, session_id: str, version: bytes | None) -> Session:
-        """The session at ``version`` (Redis's now): the local copy when it is that one, else loaded."""
-        local = self._sessions.get(session_id)
-        if version is None:
+            incarnation, stamp = await self.redis.hmget(self._keys.session(session_id), "incarnation", "stamp")
+        if stamp is None:
             self._forget(session_id)
             raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
-        if local is not None and self._versions.get(session_id) == int(version):
+        return await self._fresh(session_id, ((incarnation or b"").decode(), stamp.decode()))
+
+    async def _fresh(self, session_id: str, current: tuple[str, str]) -> Session:
+        """The session as Redis has it now (``current``: its incarnation and stamp): the local copy when it is that
+        one, else loaded."""
+        local = self._sessions.get(session_id)
+        if local is not None and self._cached.get(session_id) == current:
             return local
         return await self._load(session_id)
 
     async def acquire(self, session_id: str) -> Session:
-        value = f"{self._instance}:{secrets.token_hex(8)}"
-        with self._errors("hold"):
-            # One round trip: take the hold, and read the version the local copy must have.
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.set(self._lease_key(session_id), value, nx=True, px=self._lease_ms)
-                pipe.hget(self._key(session_id), "version")
-                held, version = await pipe.execute()
-            if not held:
-                if version is None:
-                    raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
-                owner = (await self.redis.get(self._lease_key(session_id)) or b"?").decode().split(":")[0]
-                raise SessionBusy(
-                    f"session {session_id!r} already has a turn running (on gateway instance {owner})",
-                    session_id=session_id,
-                    instance_id=owner,
-                )
+        key = self._keys.session(session_id)
+        value = self._token()
         try:
-            session = await self._fresh(session_id, version)
-        except BaseException:
-            with contextlib.suppress(RedisError, OSError):
-                await self._unlock_script(keys=[self._lease_key(session_id)], args=[value])
+            with self._errors("hold"):
+                answer = await self._acquire_script(
+                    self.redis, [key, Keys.lease(key)], [value, self._lease_ms, self._deadline_ms()]
+                )
+        except StoreUnavailable:
+            self._let_go(session_id, value)  # in case it ran and only its answer was lost
             raise
-        self._leases[session_id] = value
+        status = answer[0].decode()
+        if status == "missing":
+            self._forget(session_id)
+            raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
+        if status == "busy":
+            owner = answer[1].decode().split(":")[0]
+            raise SessionBusy(
+                f"session {session_id!r} already has a turn running (on gateway instance {owner})",
+                session_id=session_id,
+                instance_id=owner,
+            )
+        if status == "late":
+            raise StoreUnavailable("hold: Redis ran the command too late (it was paused or overloaded)", reason="redis")
+        self._leases[session_id] = value  # renewed from now on, while the copy is loaded too
+        try:
+            session = await self._fresh(session_id, (answer[1].decode(), answer[2].decode()))
+        except BaseException:
+            del self._leases[session_id]
+            self._let_go(session_id, value)
+            raise
         session.busy = True
         self._active += 1
         return session
@@ -238,46 +399,42 @@ class RedisSessionStore(SessionStore):
         value = self._leases.pop(sid, None)
         try:
             if value is not None:
-                with self._errors("write"):
-                    await self._write(session, value)  # lets the hold go in the same transaction
+                cached = self._cached.get(sid)
+                if cached is None:
+                    raise StoreUnavailable(f"session {sid!r}: this replica lost track of it mid-turn", reason="stale")
+                try:
+                    with self._errors("write"):
+                        answer = await self._write(session, lease=value, incarnation=cached[0], base=cached[1])
+                except StoreUnavailable:
+                    self._let_go(sid, value)  # no answer: whether it ran is unknown
+                    raise
+                self._check_written(sid, answer)
         except BaseException:
             self._unhold(session)
             self._forget(sid)  # Redis holds the truth: the next request reads it
-            if value is not None:
-                with contextlib.suppress(RedisError, OSError):
-                    await self._unlock_script(keys=[self._lease_key(sid)], args=[value])
             raise
         self._unhold(session)
         self._trim_cache()
 
     async def delete(self, session_id: str) -> None:
-        with self._errors("delete"):
-            value = await self._lock(session_id)
-            if value is None:
-                if not await self.redis.exists(self._key(session_id)):
-                    raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
-                raise SessionBusy(f"session {session_id!r} has a turn running; abort or wait for it first")
-            try:
-                samples = await self.redis.hget(self._key(session_id), "samples")
-                if samples is None:
-                    raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
-                keys = self._session_keys(session_id, orjson.loads(samples))
-                async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.delete(*keys)
-                    pipe.zrem(self._index, session_id)
-                    await pipe.execute()
-            finally:
-                await self._unlock_script(keys=[self._lease_key(session_id)], args=[value])
-        self._forget(session_id)
-        self._count = max(0, self._count - 1)
+        outcome, holder = await self._delete(session_id, idle_before=None)
+        if outcome == "missing":
+            raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
+        if outcome == "busy":
+            raise SessionBusy(
+                f"session {session_id!r} has a turn running (on gateway instance {holder}); abort or wait for it first",
+                session_id=session_id,
+                instance_id=holder,
+            )
 
     async def list_sessions(self) -> list[dict[str, Any]]:
         with self._errors("list"):
-            ids = [sid.decode() for sid in await self.redis.zrange(self._index, 0, -1)]
+            ids = [sid.decode() for sid in await self.redis.zrange(self._keys.index, 0, -1)]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for sid in ids:
-                    pipe.hget(self._key(sid), "summary")
-                    pipe.exists(self._lease_key(sid))
+                    key = self._keys.session(sid)
+                    pipe.hget(key, "summary")
+                    pipe.exists(Keys.lease(key))
                 answers = await pipe.execute()
         self._count = len(ids)
         summaries = []
@@ -288,30 +445,49 @@ class RedisSessionStore(SessionStore):
 
     async def holder(self, session_id: str) -> str | None:
         with self._errors("read"):
-            value = await self.redis.get(self._lease_key(session_id))
+            value = await self.redis.get(Keys.lease(self._keys.session(session_id)))
         if value is None or session_id in self._leases:
             return None
         return value.decode().split(":")[0]
 
     async def expire_idle(self, ttl_s: float, now: float | None = None) -> list[str]:
+        """The idle sweep: never raises for Redis's failures (it runs again on its schedule); logs them."""
         cutoff = (time.time() if now is None else now) - ttl_s
-        with self._errors("expire"):
-            idle = [sid.decode() for sid in await self.redis.zrangebyscore(self._index, "-inf", cutoff)]
-        expired = []
-        for session_id in idle:
-            with contextlib.suppress(SessionBusy, SessionNotFound):
-                await self.delete(session_id)
-                expired.append(session_id)
+        expired: list[str] = []
+        try:
+            with self._errors("expire"):
+                idle = [sid.decode() for sid in await self.redis.zrangebyscore(self._keys.index, "-inf", cutoff)]
+            for session_id in idle:  # the index's score may lag (see _write): the script checks the session's time
+                if (await self._delete(session_id, idle_before=cutoff))[0] == "ok":
+                    expired.append(session_id)
+        except StoreUnavailable as exc:
+            log.warning("session store: the idle sweep stopped early: %s", exc.message)
         return expired
 
     def _check_store_room(self, new_bytes: int) -> None:
         """The sessions are in Redis: a replica's memory holds only a cache of them (``_trim_cache``)."""
 
     # ---- leases ----------------------------------------------------------------------------------------------
-    async def _lock(self, session_id: str) -> str | None:
-        value = f"{self._instance}:{secrets.token_hex(8)}"
-        ok = await self.redis.set(self._lease_key(session_id), value, nx=True, px=self._lease_ms)
-        return value if ok else None
+    async def _unlock(self, session_id: str, value: str) -> None:
+        await self._unlock_script(self.redis, [Keys.lease(self._keys.session(session_id))], [value])
+
+    def _let_go(self, session_id: str, value: str) -> None:
+        """Let a lease go that a failed request may hold (its command ran, its answer never came), in the
+        background until Redis answers: a lease nobody renews runs out by itself after the lease time."""
+        task = asyncio.create_task(self._unlock_until_answered(session_id, value), name="redis-let-go")
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def _unlock_until_answered(self, session_id: str, value: str) -> None:
+        give_up = time.monotonic() + self._lease_ms / 1000
+        pause = 0.05
+        while time.monotonic() < give_up:
+            try:
+                await self._unlock(session_id, value)
+                return
+            except (RedisError, RedisClusterException, OSError):
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 1.0)
 
     async def _renew_leases(self) -> None:
         while True:
@@ -320,158 +496,214 @@ class RedisSessionStore(SessionStore):
                 for session_id, value in list(self._leases.items()):
                     if self._leases.get(session_id) != value:  # released since the list was taken: being written
                         continue
-                    if not await self._renew_script(keys=[self._lease_key(session_id)], args=[value, self._lease_ms]):
+                    key = Keys.lease(self._keys.session(session_id))
+                    if not await self._renew_script(self.redis, [key], [value, self._lease_ms]):
                         log.warning("session %s: its hold ran out before it was renewed", session_id)
+                await self._measure_clock()
                 await self._refresh_count()
-            except (RedisError, OSError, StoreUnavailable) as exc:
+            except (RedisError, RedisClusterException, OSError, StoreUnavailable) as exc:
                 log.warning("session store: renewing holds failed: %s", exc)
 
     async def _refresh_count(self) -> None:
         with self._errors("count"):
-            self._count = await self.redis.zcard(self._index)
+            self._count = await self.redis.zcard(self._keys.index)
 
-    # ---- writing: only what changed, in one transaction ------------------------------------------------------
-    async def _write(self, session: Session, lease_value: str) -> None:
-        """Write what changed, and let the hold go, in one transaction guarded by the hold (``WATCH``). The renewal
-        of a hold (``PEXPIRE``) also counts as a change to it, so a transaction it interrupted is tried again while
-        the hold is still this replica's."""
+    async def _measure_clock(self) -> None:
+        """How far Redis's clock is ahead of ours, for the deadlines of ``_deadline_ms``. On a cluster, the latest
+        of the primaries' (a late command is then fenced up to the clocks' spread later, never early)."""
+        before = time.time()
+        if isinstance(self.redis, RedisCluster):
+            answers = list((await self.redis.time(target_nodes=RedisCluster.PRIMARIES)).values())
+        else:
+            answers = [await self.redis.time()]
+        ours = (before + time.time()) / 2
+        self._clock_offset_s = max(seconds + micros / 1e6 for seconds, micros in answers) - ours
+
+    # ---- writing: what changed, in one script ----------------------------------------------------------------
+    async def _write(self, session: Session, *, lease: str, incarnation: str, base: str) -> str:
+        """Write what changed since Redis last had the session (all of it for a create: ``base`` ''), and let the
+        lease go, in one round trip. Returns the script's answer; its bookkeeping is kept only for 'ok'."""
         session.touch()
-        for attempt in range(WRITE_ATTEMPTS):
-            try:
-                await self._try_write(session, lease_value)
-                return
-            except WatchError:
-                if attempt == WRITE_ATTEMPTS - 1:
-                    raise
-
-    async def _try_write(self, session: Session, lease_value: str) -> None:
         sid = session.session_id
-        async with self.redis.pipeline(transaction=True) as pipe:
-            lease = self._lease_key(sid)
-            await pipe.watch(lease)
-            if (await pipe.get(lease) or b"").decode() != lease_value:
-                raise StoreUnavailable(f"session {sid!r}: the hold on it ran out before its write", reason="lease_lost")
-            pipe.multi()
-            created: list[str] = []
-            pending = [self._queue_sample(pipe, sid, sample, created) for sample in session.samples]
-            key = self._key(sid)
-            pipe.hset(
-                key,
-                mapping={
-                    "samples": orjson.dumps([p["id"] for p in pending]),
-                    "metadata": orjson.dumps(session.metadata),
-                    "sampling_defaults": orjson.dumps(session.sampling_defaults),
-                    "created_at": repr(session.created_at),
-                    "updated_at": repr(session.updated_at),
-                    "chat": b"" if session.chat is None else orjson.dumps(session.chat.to_json()),
-                    "summary": orjson.dumps(session.summary() | {"busy": False}),
-                },
-            )
-            version_at = len(pipe.command_stack)  # where the new version is among the results
-            pipe.hincrby(key, "version", 1)
-            pipe.zadd(self._index, {sid: session.updated_at})
+        key = self._keys.session(sid)
+        ops: list[tuple[str, str, Any]] = []
+        created: list[str] = []
+        pending = [self._sample_ops(key, sample, ops, created) for sample in session.samples]
+        written = self._written.get(sid, {}) if base else {}
+        fields = {
+            name: value for name, value in _session_fields(session, pending).items() if written.get(name) != value
+        }
+        # A create's keys get their TTL as they are created; later, the whole session's keys and its index score
+        # are pushed forward now and then.
+        refresh = bool(base and self._key_ttl_ms) and (
+            time.monotonic() - self._ttl_refreshed.get(sid, 0.0) > self._key_ttl_ms / 10e3
+        )
+        if self._key_ttl_ms:
             # Each key's TTL: set when it is created, pushed forward for the whole session now and then (an APPEND
-            # keeps a key's TTL; a PEXPIRE of every key on every turn cost more than the turn's own writes).
-            refresh = (
-                self._key_ttl_ms and time.monotonic() - self._ttl_refreshed.get(sid, 0.0) > self._key_ttl_ms / 10e3
-            )
-            if self._key_ttl_ms:
-                for name in self._session_keys(sid, [p["id"] for p in pending]) if refresh else [key, *created]:
-                    pipe.pexpire(name, self._key_ttl_ms)
-            pipe.delete(lease)
-            results = await pipe.execute()
-        for sample, done in zip(session.samples, pending, strict=True):
-            sample.persisted = done
-        self._versions[sid] = int(results[version_at])
-        if refresh:
-            self._ttl_refreshed[sid] = time.monotonic()
+            # keeps a key's TTL; a PEXPIRE of every key on every write cost more than the turn's own writes).
+            for name in self._keys.all(key, [p["id"] for p in pending]) if refresh else [key, *created]:
+                ops.append(("E", name, self._key_ttl_ms))
+        stamp = secrets.token_hex(8)
+        keys = [key, Keys.lease(key)]
+        where = {key: 1}
+        args: list[Any] = [lease, incarnation, base, stamp, self._deadline_ms(), len(fields)]
+        for name, value in fields.items():
+            args += (name, value)
+        for code, name, value in ops:
+            if name not in where:
+                keys.append(name)
+                where[name] = len(keys)
+            args += (code, where[name], value)
+        write = self._write_script(self.redis, keys, args)
+        # The index (another slot on a cluster) is kept beside the script, not in it: a create adds the session, and
+        # its score (the sweep's idea of when it was last used) is pushed forward now and then; the sweep checks the
+        # session's own time before it deletes.
+        if not base:
+            answer = await _together(write, self.redis.zadd(self._keys.index, {sid: session.updated_at}, nx=True))
+        elif refresh:
+            answer = await _together(write, self.redis.zadd(self._keys.index, {sid: session.updated_at}, xx=True))
+        else:
+            answer = await write
+        answer = answer.decode() if isinstance(answer, bytes) else str(answer)
+        if answer in ("ok", "done"):
+            for sample, done in zip(session.samples, pending, strict=True):
+                sample.persisted = done
+            self._cached[sid] = (incarnation, stamp)
+            self._written[sid] = written | fields
+            if refresh or not base:
+                self._ttl_refreshed[sid] = time.monotonic()
+        return answer
 
-    def _queue_sample(self, pipe: Any, sid: str, sample: SessionSample, created: list[str]) -> dict[str, Any]:
-        """Queue the writes of what ``sample`` gained since it was last written; returns its bookkeeping after
-        them (kept once the transaction succeeded). Keys this write creates are added to ``created`` (they need
+    def _check_written(self, sid: str, answer: str) -> None:
+        if answer in ("ok", "done"):
+            return
+        why = {
+            "lease": ("the hold on it ran out before its write", "lease_lost"),
+            "stale": ("it changed in Redis under this turn (deleted, or Redis restarted from an older copy)", "stale"),
+            "late": ("Redis ran the write too late (it was paused or overloaded): nothing was written", "redis"),
+        }.get(answer, (f"Redis answered {answer!r}", "redis"))
+        raise StoreUnavailable(f"session {sid!r}: {why[0]}", reason=why[1])
+
+    def _sample_ops(self, key: str, sample: SessionSample, ops: list[tuple[str, str, Any]], created: list[str]) -> dict:
+        """Add the writes of what ``sample`` gained since it was last written to ``ops``; returns its bookkeeping
+        after them (kept once the write succeeded). Keys this write creates are added to ``created`` (they need
         their TTL; a rewrite keeps the key's own, ``KEEPTTL``)."""
-        done = dict(sample.persisted) or {"id": secrets.token_hex(6), "arrays": {}, "turns": 0, "text": 0}
-        if not sample.persisted:
-            created.append(self._sample_key(sid, done["id"], "meta"))
+        done = dict(sample.persisted) or {"id": secrets.token_hex(6), "arrays": {}, "turns": 0, "text": 0, "meta": b""}
+        sample_id = done["id"]
         arrays = dict(done["arrays"])
         for name in ARRAYS:
             buffer: GrowableArray | None = getattr(sample, name)
             if buffer is None:
                 continue
-            key = self._sample_key(sid, done["id"], name)
+            part = Keys.part(key, sample_id, name)
             state = (buffer.generation, len(buffer))
             written = arrays.get(name)
             if written is not None and tuple(written) == state:
                 continue
             if written is not None and written[0] == buffer.generation and written[1] <= len(buffer):
-                pipe.append(key, buffer.view()[written[1] :].tobytes())
+                ops.append(("A", part, _raw(buffer.view()[written[1] :])))
             else:
-                pipe.set(key, buffer.view().tobytes(), keepttl=True)
+                ops.append(("S", part, _raw(buffer.view())))
                 if written is None:
-                    created.append(key)
+                    created.append(part)
             arrays[name] = state
         turns = sample.turns
+        turns_key = Keys.part(key, sample_id, "turns")
         if len(turns) < done["turns"]:
-            pipe.delete(self._sample_key(sid, done["id"], "turns"))
+            ops.append(("D", turns_key, ""))
             done["turns"] = 0
         if len(turns) > done["turns"]:
-            new = [orjson.dumps(turn.to_json()) for turn in turns[done["turns"] :]]
-            pipe.rpush(self._sample_key(sid, done["id"], "turns"), *new)
             if not done["turns"]:  # the list starts here
-                created.append(self._sample_key(sid, done["id"], "turns"))
+                created.append(turns_key)
+            for turn in turns[done["turns"] :]:
+                ops.append(("R", turns_key, orjson.dumps(turn.to_json())))
         text = sample.response
-        text_key = self._sample_key(sid, done["id"], "text")
+        text_key = Keys.part(key, sample_id, "text")
         if len(text) < done["text"]:
-            pipe.set(text_key, text.encode(), keepttl=True)
+            ops.append(("S", text_key, text.encode()))
         elif len(text) > done["text"]:
-            pipe.append(text_key, text[done["text"] :].encode())
+            ops.append(("A", text_key, text[done["text"] :].encode()))
             if not done["text"]:
                 created.append(text_key)
-        pipe.set(self._sample_key(sid, done["id"], "meta"), orjson.dumps(_sample_meta(sample)), keepttl=True)
-        return {"id": done["id"], "arrays": arrays, "turns": len(turns), "text": len(text)}
+        meta = orjson.dumps(_sample_meta(sample))
+        if meta != done.get("meta"):
+            meta_key = Keys.part(key, sample_id, "meta")
+            ops.append(("S", meta_key, meta))
+            if not sample.persisted:
+                created.append(meta_key)
+        return {"id": sample_id, "arrays": arrays, "turns": len(turns), "text": len(text), "meta": meta}
+
+    # ---- deleting --------------------------------------------------------------------------------------------
+    async def _delete(self, session_id: str, *, idle_before: float | None) -> tuple[str, str | None]:
+        """Delete the session unless a turn holds it ('busy', and the holder's instance id) or, with
+        ``idle_before``, it was used since ('fresh'); else 'ok' or 'missing'."""
+        key = self._keys.session(session_id)
+        with self._errors("delete"):
+            for _ in range(READ_ATTEMPTS):
+                stamp, samples = await self.redis.hmget(key, "stamp", "samples")
+                if stamp is None:
+                    answer = [b"missing"]
+                else:
+                    keys = [key, Keys.lease(key), *self._keys.all(key, orjson.loads(samples))[1:]]
+                    answer = await self._delete_script(
+                        self.redis, keys, [stamp, "" if idle_before is None else idle_before]
+                    )
+                status = answer[0].decode()
+                if status == "changed":
+                    continue
+                if status in ("ok", "missing"):
+                    # The index forgets it too (a session whose keys ran out of their TTL leaves it here).
+                    await self.redis.zrem(self._keys.index, session_id)
+                    self._forget(session_id)
+                    if status == "ok":
+                        self._count = max(0, self._count - 1)
+                    return status, None
+                if status == "fresh":
+                    await self.redis.zadd(self._keys.index, {session_id: float(answer[1])}, xx=True)
+                    return status, None
+                return status, answer[1].decode().split(":")[0]  # busy: who holds it
+        raise StoreUnavailable(f"delete: session {session_id!r} kept changing while it was deleted", reason="redis")
 
     # ---- reading a whole session -----------------------------------------------------------------------------
     async def _load(self, session_id: str) -> Session:
-        key = self._key(session_id)
+        key = self._keys.session(session_id)
         with self._errors("read"):
-            fields = {k.decode(): v for k, v in (await self.redis.hgetall(key)).items()}
-            if "samples" not in fields:
-                self._forget(session_id)
-                raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
-            sample_ids = orjson.loads(fields["samples"])
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for sample_id in sample_ids:
-                    pipe.get(self._sample_key(session_id, sample_id, "meta"))
-                    for name in ARRAYS:
-                        pipe.get(self._sample_key(session_id, sample_id, name))
-                    pipe.lrange(self._sample_key(session_id, sample_id, "turns"), 0, -1)
-                    pipe.get(self._sample_key(session_id, sample_id, "text"))
-                answers = await pipe.execute()
-        per_sample = len(ARRAYS) + 3
+            for _ in range(READ_ATTEMPTS):
+                fields = {k.decode(): v for k, v in (await self.redis.hgetall(key)).items()}
+                if "stamp" not in fields:
+                    self._forget(session_id)
+                    raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
+                sample_ids = orjson.loads(fields["samples"])
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for sample_id in sample_ids:
+                        pipe.get(Keys.part(key, sample_id, "meta"))
+                        for name in ARRAYS:
+                            pipe.get(Keys.part(key, sample_id, name))
+                        pipe.lrange(Keys.part(key, sample_id, "turns"), 0, -1)
+                        pipe.get(Keys.part(key, sample_id, "text"))
+                    pipe.hget(key, "stamp")  # unchanged since the hash was read: no write landed in between
+                    answers = await pipe.execute()
+                if answers[-1] == fields["stamp"]:
+                    break
+            else:
+                raise StoreUnavailable(f"read: session {session_id!r} kept changing while it was read", reason="redis")
+        per_sample = len(PARTS)
         samples = [
             _read_sample(sample_id, answers[i * per_sample : (i + 1) * per_sample])
             for i, sample_id in enumerate(sample_ids)
         ]
-        chat = fields.get("chat") or b""
-        session = Session(
-            session_id=session_id,
-            sample=samples[-1],
-            branches=samples[:-1],
-            metadata=orjson.loads(fields["metadata"]),
-            sampling_defaults=orjson.loads(fields["sampling_defaults"]),
-            created_at=float(fields["created_at"]),
-            updated_at=float(fields["updated_at"]),
-            chat=ChatRecord.from_json(orjson.loads(chat)) if chat else None,
-        )
+        session = _session_from_fields(session_id, fields, samples)
         self._register(session)
-        self._versions[session_id] = int(fields["version"])
+        self._cached[session_id] = (fields.get("incarnation", b"").decode(), fields["stamp"].decode())
+        self._written[session_id] = {name: fields[name] for name in SESSION_FIELDS if name in fields}
         self._trim_cache()
         return session
 
     # ---- the local copies ------------------------------------------------------------------------------------
     def _forget(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
-        self._versions.pop(session_id, None)
+        self._cached.pop(session_id, None)
+        self._written.pop(session_id, None)
         self._ttl_refreshed.pop(session_id, None)
         if session is not None:
             self._stored_bytes -= session.counted_bytes
@@ -485,6 +717,52 @@ class RedisSessionStore(SessionStore):
                 break
             if not session.busy:
                 self._forget(session.session_id)
+
+
+async def _together(first: Awaitable[Any], second: Awaitable[Any]) -> Any:
+    """Both at once (on a cluster, their keys may be on two nodes); the first's answer, or the first error."""
+    answers = await asyncio.gather(first, second, return_exceptions=True)
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            raise answer
+    return answers[0]
+
+
+def _raw(array: np.ndarray) -> memoryview:
+    """An array's bytes without a copy (redis-py sends a memoryview as it is)."""
+    return memoryview(np.ascontiguousarray(array)).cast("B")
+
+
+# ---- the session's hash: its small fields --------------------------------------------------------------------------
+SESSION_FIELDS = ("samples", "metadata", "sampling_defaults", "created_at", "updated_at", "chat", "summary")
+
+
+def _session_fields(session: Session, pending: list[dict[str, Any]]) -> dict[str, bytes]:
+    """The hash's fields (besides incarnation and stamp), each a JSON document or a number: the chat layer's record
+    is one opaque JSON blob, its trajectories are the samples, listed in order."""
+    return {
+        "samples": orjson.dumps([p["id"] for p in pending]),
+        "metadata": orjson.dumps(session.metadata),
+        "sampling_defaults": orjson.dumps(session.sampling_defaults),
+        "created_at": repr(session.created_at).encode(),
+        "updated_at": repr(session.updated_at).encode(),
+        "chat": b"" if session.chat is None else orjson.dumps(session.chat.to_json()),
+        "summary": orjson.dumps(session.summary() | {"busy": False}),
+    }
+
+
+def _session_from_fields(session_id: str, fields: dict[str, bytes], samples: list[SessionSample]) -> Session:
+    chat = fields.get("chat") or b""
+    return Session(
+        session_id=session_id,
+        sample=samples[-1],
+        branches=samples[:-1],
+        metadata=orjson.loads(fields["metadata"]),
+        sampling_defaults=orjson.loads(fields["sampling_defaults"]),
+        created_at=float(fields["created_at"]),
+        updated_at=float(fields["updated_at"]),
+        chat=ChatRecord.from_json(orjson.loads(chat)) if chat else None,
+    )
 
 
 def _sample_meta(sample: SessionSample) -> dict[str, Any]:
@@ -502,7 +780,8 @@ def _sample_meta(sample: SessionSample) -> dict[str, Any]:
 
 
 def _read_sample(sample_id: str, answers: list[Any]) -> SessionSample:
-    meta = orjson.loads(answers[0])
+    meta_raw = answers[0]
+    meta = orjson.loads(meta_raw)
     moe = None if meta["moe"] is None else MoEShape(*meta["moe"])
     raw = dict(zip(ARRAYS, answers[1 : 1 + len(ARRAYS)], strict=True))
     turns, text = answers[1 + len(ARRAYS)], answers[2 + len(ARRAYS)] or b""
@@ -544,5 +823,11 @@ def _read_sample(sample_id: str, answers: list[Any]) -> SessionSample:
         for name in ARRAYS
         if raw[name] is not None and (buffer := getattr(sample, name)) is not None
     }
-    sample.persisted = {"id": sample_id, "arrays": arrays, "turns": len(sample.turns), "text": len(sample.response)}
+    sample.persisted = {
+        "id": sample_id,
+        "arrays": arrays,
+        "turns": len(sample.turns),
+        "text": len(sample.response),
+        "meta": meta_raw,
+    }
     return sample

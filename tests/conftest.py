@@ -96,6 +96,15 @@ def redis_server_binary() -> Path:
     return binary
 
 
+def redis_cli_binary() -> Path:
+    binary = REDIS_DIR / "bin" / "redis-cli"
+    if not binary.exists():
+        log = REDIS_DIR / "install.log"
+        why = log.read_text().strip()[-500:] if log.exists() else "run `make redis` (scripts/redis_server.sh)"
+        pytest.skip(f"no redis-cli in {binary.parent} (a Redis Cluster is created with it): {why}")
+    return binary
+
+
 @dataclass(frozen=True)
 class RedisServer:
     url: str
@@ -103,35 +112,116 @@ class RedisServer:
     process: Any
 
 
+def start_redis_process(port: int, *args: str) -> subprocess.Popen[bytes]:
+    """redis-server on 127.0.0.1:``port`` with ``args`` (no persistence unless they ask for it), once it answers."""
+    command = [str(redis_server_binary()), "--port", str(port), "--bind", "127.0.0.1"]
+    command += ["--save", "", "--appendonly", "no", *args]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return process
+        except OSError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                raise RuntimeError(f"redis-server did not start on port {port}") from None
+            time.sleep(0.05)
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+    process.wait(10)
+
+
 @contextmanager
 def run_redis(*extra: str, port: int | None = None) -> Iterator[RedisServer]:
     """A real redis-server on 127.0.0.1 (no persistence unless ``extra`` asks for it)."""
-    binary = redis_server_binary()
     port = port or free_port()
-    args = [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *extra]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = start_redis_process(port, *extra)
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {port}") from None
-                time.sleep(0.05)
         yield RedisServer(f"redis://127.0.0.1:{port}/0", port, process)
     finally:
-        process.terminate()
-        process.wait(10)
+        stop_process(process)
+
+
+@dataclass
+class RedisClusterNodes:
+    """A Redis Cluster of masters on 127.0.0.1 (``url``: ``redis+cluster://`` a seed node), each node in a directory
+    of its own under ``directory`` (its nodes.conf, and its data where ``extra`` asks for persistence): ``stop`` and
+    ``start`` them, and the cluster comes back as it was."""
+
+    url: str
+    ports: list[int]
+    bus_ports: list[int]
+    directory: Path
+    extra: tuple[str, ...]
+    processes: list[subprocess.Popen[bytes]]
+
+    def start(self) -> None:
+        for port, bus in zip(self.ports, self.bus_ports, strict=True):
+            (self.directory / str(port)).mkdir(parents=True, exist_ok=True)
+            args = ["--cluster-enabled", "yes", "--cluster-port", str(bus), "--cluster-config-file", "nodes.conf"]
+            args += ["--dir", str(self.directory / str(port)), *self.extra]
+            self.processes.append(start_redis_process(port, *args))
+
+    def stop(self) -> None:
+        for process in self.processes:
+            stop_process(process)
+        self.processes.clear()
+
+    def wait_until_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every node says ``cluster_state:ok`` (all slots served, the nodes agree)."""
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        for port in self.ports:
+            with redis.Redis(port=port) as client:
+                while client.cluster("info")["cluster_state"] != "ok":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the Redis Cluster on {self.ports} did not come up")
+                    time.sleep(0.1)
+
+
+@contextmanager
+def run_redis_cluster(directory: Path, *extra: str, masters: int = 3) -> Iterator[RedisClusterNodes]:
+    """A real Redis Cluster of ``masters`` masters (no replicas) on loopback, created with ``redis-cli --cluster
+    create`` as an operator would."""
+    cli = redis_cli_binary()
+    ports: list[int] = []
+    while len(ports) < 2 * masters:  # a client port and a cluster bus port per node, all distinct
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    url = f"redis+cluster://127.0.0.1:{ports[0]}"
+    nodes = RedisClusterNodes(url, ports[:masters], ports[masters:], directory, extra, [])
+    try:
+        nodes.start()
+        addresses = [f"127.0.0.1:{port}" for port in nodes.ports]
+        created = subprocess.run(
+            [str(cli), "--cluster", "create", *addresses, "--cluster-yes"], capture_output=True, timeout=60
+        )
+        if created.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout[-2000:]!r}")
+        nodes.wait_until_ok()
+        yield nodes
+    finally:
+        nodes.stop()
 
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     with run_redis() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
+    """A 3-master Redis Cluster shared by the tests (in memory only)."""
+    with run_redis_cluster(tmp_path_factory.mktemp("redis-cluster")) as nodes:
+        yield nodes
 
 
 @pytest.fixture(scope="session")
