@@ -33,7 +33,21 @@ MAX_MOE_TOPK = 256
 MAX_SYNC_TOKENS = 64
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
-SessionId = Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@-]+$")]
+
+
+def _not_a_dot_segment(session_id: str) -> str:
+    # "/v1/sessions/./generate" and "/v1/sessions/../generate" are dot segments: clients and proxies resolve them
+    # away (RFC 3986 5.2.4) before the request is sent, so such a session could never be reached.
+    if session_id in (".", ".."):
+        raise ValueError(f"{session_id!r} is a URL dot segment, not usable as a path segment")
+    return session_id
+
+
+SessionId = Annotated[
+    StrictStr,
+    Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@-]+$"),
+    AfterValidator(_not_a_dot_segment),
+]
 Number = StrictInt | StrictFloat  # JSON numbers; non-finite ones are refused (allow_inf_nan=False below)
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
-from gateway.codec import encode_safetensors, narrowest_unsigned
+from gateway.codec import narrowest_unsigned, safetensors_stream
 from gateway.errors import InvalidRequest
 from gateway.sample import SessionSample
 from gateway.store import Session
@@ -179,7 +179,9 @@ class SamplePayload:
         return sum(a.nbytes for a in self.arrays.values())
 
     def encode(self) -> bytes:
-        return encode_safetensors(self.arrays, self.metadata)
+        # The gateway's own safetensors writer, not the package's: the package keeps the metadata in a Rust HashMap
+        # and writes it in a new order each call, so an unchanged session gave different bytes on every fetch.
+        return b"".join(safetensors_stream(self.arrays, self.metadata).chunks())
 
 
 def sample_payload(session: Session, branch: int | None = None) -> SamplePayload:

@@ -279,6 +279,22 @@ async def test_start_len_returns_the_tail_of_the_full_rows(sim: httpx.AsyncClien
         assert np.array_equal(rows(answer["meta_info"]), full[start:])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_no_new_tokens_with_routing_is_an_answer_without_rows(sim: httpx.AsyncClient, stream: bool) -> None:
+    """``max_new_tokens: 0`` where the start length leaves no routing row to send (a session's next turn asks from
+    its last row on): an empty ``routed_experts``, not a 500."""
+    for start in (len(PROMPT) - 1, len(PROMPT)):
+        payload = body(max_new=0, start_len=start, top_p=True, stream=stream)
+        response = await sim.post("/generate", json=payload)
+        assert response.status_code == 200, response.text
+        lines = [line for line in response.text.splitlines() if line.startswith("data: {")]
+        answer = orjson.loads(lines[-1][len("data: ") :]) if stream else response.json()
+        meta = answer["meta_info"]
+        assert answer["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
+        assert meta["routed_experts"] == "" and rows(meta).shape == (0, L, K)
+        assert i32(meta["top_p_token_offsets"]).tolist() == [0] and meta["top_p_token_ids"] == ""
+
+
 async def test_same_position_same_routing_across_turns(sim: httpx.AsyncClient) -> None:
     turn1 = await generate(sim, body(seed=2))
     tokens = PROMPT + turn1["output_ids"]

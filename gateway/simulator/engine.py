@@ -364,7 +364,8 @@ def embeds_to_ids(embeds: Sequence[Sequence[float]], vocab_size: int) -> np.ndar
 def encode_i32(arr: np.ndarray) -> str:
     """Standard base64 of a C-order little-endian int32 array, the wire format of routing and top-p."""
     data = np.ascontiguousarray(arr, dtype="<i4")
-    return pybase64.b64encode_as_string(memoryview(data).cast("B"))
+    # A byte view of the array (memoryview.cast refuses a shape with a zero in it: no routing rows, max_new_tokens 0).
+    return pybase64.b64encode_as_string(data.reshape(-1).view(np.uint8))
 
 
 # ---------------------------------------------------------------------------------------- prefix cache
