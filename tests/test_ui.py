@@ -197,7 +197,10 @@ async def count(page: Any, selector: str) -> int:
 
 
 async def hover_token(page: Any, index: int) -> None:
-    """Bring token ``index`` into view with the scroll bar, then move the mouse onto it in the token row."""
+    """Bring token ``index`` into view with the scroll bar, then move the mouse onto it in the token row (again if a
+    late scroll event moved the strip under the mouse meanwhile)."""
+    from playwright.async_api import TimeoutError as PlaywrightTimeout
+
     await page.evaluate(
         """(i) => {
             const canvas = document.getElementById("tracks-canvas");
@@ -205,19 +208,26 @@ async def hover_token(page: Any, index: int) -> None:
         }""",
         index,
     )
-    await page.wait_for_function(
-        """() => Math.abs(+document.getElementById("tracks-canvas").dataset.scroll
-                 - document.getElementById("hscroll").scrollLeft) < 1"""
-    )
-    box = await page.locator("#tracks-canvas").bounding_box()
-    data = await page.evaluate("() => ({...document.getElementById('tracks-canvas').dataset})")
-    cell = float(data["cellWidth"])
-    x = box["x"] + float(data["gutter"]) + index * cell - float(data["scroll"]) + cell / 2
-    await page.mouse.move(x, box["y"] + float(data["tokenY"]))
-    await page.wait_for_function(
-        "(i) => document.getElementById('detail-position').textContent.replace(/,/g, '').startsWith(i + ' of')",
-        arg=index,
-    )
+    for attempt in range(5):
+        await page.wait_for_function(
+            """() => Math.abs(+document.getElementById("tracks-canvas").dataset.scroll
+                     - document.getElementById("hscroll").scrollLeft) < 1"""
+        )
+        box = await page.locator("#tracks-canvas").bounding_box()
+        data = await page.evaluate("() => ({...document.getElementById('tracks-canvas').dataset})")
+        cell = float(data["cellWidth"])
+        x = box["x"] + float(data["gutter"]) + index * cell - float(data["scroll"]) + cell / 2
+        await page.mouse.move(x, box["y"] + float(data["tokenY"]) + attempt)  # a move even at the same x
+        try:
+            await page.wait_for_function(
+                "(i) => document.getElementById('detail-position').textContent.replace(/,/g, '').startsWith(i + ' of')",
+                arg=index,
+                timeout=3_000,
+            )
+            return
+        except PlaywrightTimeout:
+            continue
+    raise AssertionError(f"hovering token {index} did not show it: {await text(page, '#detail-position')}")
 
 
 # ---- the pages and files: served from the package, with a CSP ------------------------------------------------------
@@ -301,6 +311,21 @@ def test_the_session_list_pages_newest_first_and_filters(gateway: Service) -> No
         response = httpx.get(f"{gateway.url}/ui/api/sessions", params=bad)
         assert response.status_code == 422, (bad, response.text)
         assert response.json()["error"]["type"] == "invalid_request"
+
+
+def test_the_session_list_on_the_redis_store(redis_gateway: Service) -> None:
+    """A store whose sessions live elsewhere is paged from its list: newest first, status filters, pages."""
+    created = [new_session(redis_gateway, prompt_ids=[1, 2, 3]) for _ in range(3)]
+    generate = {"sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    assert httpx.post(f"{redis_gateway.url}/v1/sessions/{created[0]}/generate", json=generate).status_code == 200
+    first = httpx.get(f"{redis_gateway.url}/ui/api/sessions", params={"limit": 3}).json()
+    assert [row["session_id"] for row in first["sessions"]] == created[::-1] and first["total"] >= 3
+    assert all(row["branches"] == 1 for row in first["sessions"])
+    rows = httpx.get(f"{redis_gateway.url}/ui/api/sessions", params={"status": "truncated", "limit": 500}).json()
+    assert created[0] in [row["session_id"] for row in rows["sessions"]]
+    assert all(row["status"] == "truncated" for row in rows["sessions"])
+    second = httpx.get(f"{redis_gateway.url}/ui/api/sessions", params={"limit": 1, "offset": 1}).json()
+    assert [row["session_id"] for row in second["sessions"]] == [created[1]]
 
 
 def test_an_aborted_turn_is_the_sessions_last_error(gateway: Service, simulator: Service) -> None:
