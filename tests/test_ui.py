@@ -247,6 +247,11 @@ def test_pages_are_static_files_with_a_content_security_policy(gateway: Service)
         assert httpx.get(gateway.url + bad).status_code == 404, bad
 
 
+def test_a_gateway_without_keys_needs_no_login(gateway: Service) -> None:
+    login = httpx.post(f"{gateway.url}/ui/login", headers={"authorization": "Bearer anything"})
+    assert login.status_code == 200 and login.json()["required"] is False and "set-cookie" not in login.headers
+
+
 def test_the_json_view_links_to_the_session_page(gateway: Service) -> None:
     sid = new_session(gateway, prompt_ids=[1, 2, 3])
     assert view(gateway, sid)["inspector"] == f"/ui/sessions/{sid}"

@@ -18,7 +18,7 @@ from fastapi.responses import RedirectResponse
 from starlette.staticfiles import StaticFiles
 
 from gateway.auth import UI_COOKIE, cookie_token, presented_key
-from gateway.errors import InvalidRequest, Unauthorized
+from gateway.errors import InvalidRequest
 from gateway.responses import json_response, safetensors_response
 from gateway.sample import Status
 from gateway.state import StateDep
@@ -73,14 +73,13 @@ async def static_file(name: str, request: Request) -> Response:
 
 
 @router.post("/ui/login")
-async def login(request: Request) -> Response:
-    """Reached only with a valid key in the header (``gateway.auth``; with no key configured, anyone): answers with
-    the cookie that stands in for it in the inspector."""
-    response = json_response({"authenticated": True})
-    try:
-        key = presented_key(request.headers.raw)
-    except Unauthorized:  # no key configured and none sent: nothing to remember
-        return response
+async def login(request: Request, state: StateDep) -> Response:
+    """Reached only with a valid key in the header (``gateway.auth``): answers with the cookie that stands in for it
+    in the inspector. A gateway without keys needs no login and sets no cookie."""
+    if not state.settings.api_keys:
+        return json_response({"authenticated": True, "required": False})
+    response = json_response({"authenticated": True, "required": True})
+    key = presented_key(request.headers.raw)  # valid: the middleware let the request through
     secure = request.url.scheme == "https"
     response.set_cookie(UI_COOKIE, cookie_token(key), httponly=True, samesite="strict", path="/", secure=secure)
     return response
