@@ -41,7 +41,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,6 +62,7 @@ from gateway.store import Session, SessionStore
 log = logging.getLogger("gateway.redis_store")
 
 Client = aioredis.Redis | RedisCluster
+Staged = Sequence[tuple[str, memoryview]]
 
 # The sample's arrays: attribute -> dtype (None: stored with the sample, routing's narrowest unsigned type).
 ARRAYS: dict[str, type | None] = {
@@ -73,14 +74,23 @@ ARRAYS: dict[str, type | None] = {
     "top_p_offsets": np.int32,
     "routed_experts": None,
 }
-PARTS = (*ARRAYS, "meta", "turns", "text")  # a sample's keys
+SMALL_PARTS = ("meta", "turns", "text")  # a sample's keys besides its arrays' chunks
 SOCKET_TIMEOUT_S = 5.0
 # A script that runs later than this after its command was sent does nothing: its request gives up at
 # SOCKET_TIMEOUT_S, and the second between leaves room for the answer to arrive before that.
 FENCE_S = SOCKET_TIMEOUT_S - 1.0
 READ_ATTEMPTS = 3  # a whole-session read, or a delete, retried while writes land in between
+# New array bytes from this size on are not passed to the write script (a Lua string costs Redis ~4x the CPU of a
+# plain SET of the same bytes): they are SET under a staging key in the same round trip, and the script renames that
+# key into the array's next chunk (O(1)). Smaller ones are appended to the array's last chunk while it is below
+# CHUNK_BYTES.
+STAGE_BYTES = 64 * 1024
+CHUNK_BYTES = 1024 * 1024
+STAGE_TTL_MS = 60_000  # a staging key whose write never ran (its answer lost, the replica killed) goes by itself
 
-_NOW_MS = """
+# "#!lua": Redis 7's script flags, none given: a script that may write is refused whole when Redis is out of memory
+# (never half run), and on a cluster it may touch only the keys it declares (one slot).
+_NOW_MS = """#!lua
 local function past(deadline)
   deadline = tonumber(deadline)
   if deadline == 0 then return false end
@@ -105,32 +115,43 @@ return {'ok', found[1] or '', found[2]}
 """
 )
 
-# KEYS[1]: the session's hash, KEYS[2]: its lease, KEYS[3..]: the keys the operations name. ARGV: 1 the lease value
-# ('' to create the session), 2 the incarnation, 3 the stamp the write is based on ('' to create), 4 the new stamp,
-# 5 the deadline, 6 the number n of hash fields, then n field/value pairs, then operations as (code, key index,
-# value) triples. Answers 'ok', 'done' (this very write already happened: a resend), 'exists' (create), 'lease' (not
-# the lease's holder), 'stale' (the session is not the one the write is based on) or 'late'; only 'ok' changed
-# anything. The lease is let go on 'ok', 'stale' and 'late': the request that holds it ends with this answer.
+# KEYS[1]: the session's hash, KEYS[2]: its lease, KEYS[3 .. 2+s]: the s staging keys SET just before, then the keys
+# the operations name. ARGV: 1 the lease value ('' to create the session), 2 the incarnation, 3 the stamp the write
+# is based on ('' to create), 4 the new stamp, 5 the deadline, 6 the keys' TTL (ms, 0: none), 7 s, 8 the number n of
+# hash fields, then n field/value pairs, then operations as (code, key index, value) triples. Answers 'ok', 'done'
+# (this very write already happened: a resend), 'exists' (create), 'lease' (not the lease's holder), 'stale' (the
+# session is not the one the write is based on), 'lost' (a staging key is gone) or 'late'; only 'ok' changed
+# anything (every check comes before the first change: a script's changes are not rolled back). The lease is let
+# go on 'ok', 'stale' and 'late' (the request that holds it ends with this answer); staging keys always are.
 _WRITE = (
     _NOW_MS
     + """
+local staged = 2 + tonumber(ARGV[7])
+local function refuse(answer)
+  for k = 3, staged do redis.call('DEL', KEYS[k]) end
+  return answer
+end
 local found = redis.call('HMGET', KEYS[1], 'incarnation', 'stamp')
-if found[2] == ARGV[4] then return 'done' end
+if found[2] == ARGV[4] then return refuse('done') end
 local mine = ARGV[1] ~= '' and redis.call('GET', KEYS[2]) == ARGV[1]
 if past(ARGV[5]) then
   if mine then redis.call('DEL', KEYS[2]) end
-  return 'late'
+  return refuse('late')
 end
 if ARGV[3] == '' then
-  if found[2] then return 'exists' end
+  if found[2] then return refuse('exists') end
 elseif not mine then
-  return 'lease'
+  return refuse('lease')
 elseif found[1] ~= ARGV[2] or found[2] ~= ARGV[3] then
   redis.call('DEL', KEYS[2])
-  return 'stale'
+  return refuse('stale')
 end
-local i = 7
-for _ = 1, tonumber(ARGV[6]) do
+for k = 3, staged do
+  if redis.call('EXISTS', KEYS[k]) == 0 then return refuse('lost') end
+end
+local ttl = tonumber(ARGV[6])
+local i = 9
+for _ = 1, tonumber(ARGV[8]) do
   redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
   i = i + 2
 end
@@ -139,10 +160,13 @@ while i <= #ARGV do
   local code, key, value = ARGV[i], KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2]
   if code == 'A' then redis.call('APPEND', key, value)
   elseif code == 'S' then redis.call('SET', key, value, 'KEEPTTL')
+  elseif code == 'M' then
+    redis.call('RENAME', KEYS[tonumber(value)], key)
+    if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('PERSIST', key) end
   elseif code == 'R' then redis.call('RPUSH', key, value)
   elseif code == 'D' then redis.call('DEL', key)
-  elseif code == 'E' then redis.call('PEXPIRE', key, value)
-  else return redis.error_reply('unknown operation ' .. code) end
+  elseif code == 'E' then redis.call('PEXPIRE', key, ttl)
+  end
   i = i + 3
 end
 if mine then redis.call('DEL', KEYS[2]) end
@@ -153,7 +177,7 @@ return 'ok'
 # KEYS[1]: the session's hash, KEYS[2]: its lease, KEYS[3..]: its other keys, as listed at stamp ARGV[1]. ARGV[2]:
 # delete only if idle since then (its updated_at, seconds; '': whatever it is). Answers {'ok'}, {'missing'},
 # {'changed'} (written since it was listed: list again), {'busy', holder} or {'fresh', updated_at}.
-_DELETE = """
+_DELETE = """#!lua
 local found = redis.call('HMGET', KEYS[1], 'stamp', 'updated_at')
 if not found[1] then return {'missing'} end
 if found[1] ~= ARGV[1] then return {'changed'} end
@@ -165,9 +189,10 @@ return {'ok'}
 """
 
 # Deletes the lease, or extends it, only while it is ours (a lease that ran out may be another replica's now).
-_UNLOCK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+_UNLOCK = "#!lua\nif redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 _RENEW = (
-    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
+    "#!lua\nif redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) "
+    "else return 0 end"
 )
 
 
@@ -179,11 +204,23 @@ class Script:
         self.text = text
         self.sha = hashlib.sha1(text.encode()).hexdigest()
 
-    async def __call__(self, client: Client, keys: list[str], args: list[Any]) -> Any:
+    async def __call__(self, client: Client, keys: list[str], args: list[Any], staged: Staged = ()) -> Any:
+        """Its answer; ``staged`` (key, bytes) pairs are SET (with a TTL of STAGE_TTL_MS) in the same round trip,
+        before it."""
         try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
+            return await self._run(client, "EVALSHA", self.sha, keys, args, staged)
         except NoScriptError:
-            return await client.eval(self.text, len(keys), *keys, *args)  # type: ignore[misc]
+            return await self._run(client, "EVAL", self.text, keys, args, staged)
+
+    @staticmethod
+    async def _run(client: Client, command: str, script: str, keys: list[str], args: list[Any], staged: Staged) -> Any:
+        if not staged:
+            return await client.execute_command(command, script, len(keys), *keys, *args)
+        async with client.pipeline(transaction=False) as pipe:
+            for key, payload in staged:
+                pipe.set(key, payload, px=STAGE_TTL_MS)
+            pipe.execute_command(command, script, len(keys), *keys, *args)  # (a cluster pipeline has no .evalsha)
+            return (await pipe.execute())[-1]
 
 
 class Keys:
@@ -209,8 +246,24 @@ class Keys:
     def part(session_key: str, sample_id: str, part: str) -> str:
         return f"{session_key}:x:{sample_id}:{part}"
 
-    def all(self, session_key: str, sample_ids: list[str]) -> list[str]:
-        return [session_key] + [self.part(session_key, x, part) for x in sample_ids for part in PARTS]
+    @staticmethod
+    def chunk(session_key: str, sample_id: str, array: str, number: int) -> str:
+        return f"{session_key}:x:{sample_id}:{array}:{number}"
+
+    @staticmethod
+    def stage(session_key: str, stamp: str, number: int) -> str:
+        return f"{session_key}:stage:{stamp}:{number}"
+
+    @staticmethod
+    def all(session_key: str, layout: list[dict[str, Any]]) -> list[str]:
+        """Every key of a session whose samples are ``layout`` (the hash's ``samples``: each one's id and the chunks
+        of each of its arrays)."""
+        keys = [session_key]
+        for sample in layout:
+            keys += [Keys.part(session_key, sample["id"], part) for part in SMALL_PARTS]
+            for array, chunks in sample["chunks"].items():
+                keys += [Keys.chunk(session_key, sample["id"], array, n) for n in range(chunks)]
+        return keys
 
 
 def connect(url: str) -> Client:
@@ -522,39 +575,37 @@ class RedisSessionStore(SessionStore):
     # ---- writing: what changed, in one script ----------------------------------------------------------------
     async def _write(self, session: Session, *, lease: str, incarnation: str, base: str) -> str:
         """Write what changed since Redis last had the session (all of it for a create: ``base`` ''), and let the
-        lease go, in one round trip. Returns the script's answer; its bookkeeping is kept only for 'ok'."""
+        lease go, in one round trip. Returns the script's answer; the bookkeeping is kept only for 'ok'."""
         session.touch()
         sid = session.session_id
         key = self._keys.session(sid)
-        ops: list[tuple[str, str, Any]] = []
-        created: list[str] = []
-        pending = [self._sample_ops(key, sample, ops, created) for sample in session.samples]
+        batch = WriteBatch(key, secrets.token_hex(8))
+        pending = [batch.sample(sample) for sample in session.samples]
         written = self._written.get(sid, {}) if base else {}
         fields = {
             name: value for name, value in _session_fields(session, pending).items() if written.get(name) != value
         }
         # A create's keys get their TTL as they are created; later, the whole session's keys and its index score
-        # are pushed forward now and then.
+        # are pushed forward now and then (an APPEND keeps a key's TTL; a PEXPIRE of every key on every write cost
+        # more than the turn's own writes).
         refresh = bool(base and self._key_ttl_ms) and (
             time.monotonic() - self._ttl_refreshed.get(sid, 0.0) > self._key_ttl_ms / 10e3
         )
         if self._key_ttl_ms:
-            # Each key's TTL: set when it is created, pushed forward for the whole session now and then (an APPEND
-            # keeps a key's TTL; a PEXPIRE of every key on every write cost more than the turn's own writes).
-            for name in self._keys.all(key, [p["id"] for p in pending]) if refresh else [key, *created]:
-                ops.append(("E", name, self._key_ttl_ms))
-        stamp = secrets.token_hex(8)
-        keys = [key, Keys.lease(key)]
-        where = {key: 1}
-        args: list[Any] = [lease, incarnation, base, stamp, self._deadline_ms(), len(fields)]
+            for name in Keys.all(key, _layout(pending)) if refresh else [key, *batch.created]:
+                batch.ops.append(("E", name, ""))
+        keys = [key, Keys.lease(key), *(stage for stage, _ in batch.staged)]
+        where = {name: number for number, name in enumerate(keys, start=1)}
+        args: list[Any] = [lease, incarnation, base, batch.stamp, self._deadline_ms(), self._key_ttl_ms]
+        args += [len(batch.staged), len(fields)]
         for name, value in fields.items():
             args += (name, value)
-        for code, name, value in ops:
+        for code, name, value in batch.ops:
             if name not in where:
                 keys.append(name)
                 where[name] = len(keys)
-            args += (code, where[name], value)
-        write = self._write_script(self.redis, keys, args)
+            args += (code, where[name], where[value] if code == "M" else value)
+        write = self._write_script(self.redis, keys, args, batch.staged)
         # The index (another slot on a cluster) is kept beside the script, not in it: a create adds the session, and
         # its score (the sweep's idea of when it was last used) is pushed forward now and then; the sweep checks the
         # session's own time before it deletes.
@@ -568,7 +619,7 @@ class RedisSessionStore(SessionStore):
         if answer in ("ok", "done"):
             for sample, done in zip(session.samples, pending, strict=True):
                 sample.persisted = done
-            self._cached[sid] = (incarnation, stamp)
+            self._cached[sid] = (incarnation, batch.stamp)
             self._written[sid] = written | fields
             if refresh or not base:
                 self._ttl_refreshed[sid] = time.monotonic()
@@ -581,57 +632,8 @@ class RedisSessionStore(SessionStore):
             "lease": ("the hold on it ran out before its write", "lease_lost"),
             "stale": ("it changed in Redis under this turn (deleted, or Redis restarted from an older copy)", "stale"),
             "late": ("Redis ran the write too late (it was paused or overloaded): nothing was written", "redis"),
-        }.get(answer, (f"Redis answered {answer!r}", "redis"))
+        }.get(answer, (f"Redis answered {answer!r}: nothing was written", "redis"))
         raise StoreUnavailable(f"session {sid!r}: {why[0]}", reason=why[1])
-
-    def _sample_ops(self, key: str, sample: SessionSample, ops: list[tuple[str, str, Any]], created: list[str]) -> dict:
-        """Add the writes of what ``sample`` gained since it was last written to ``ops``; returns its bookkeeping
-        after them (kept once the write succeeded). Keys this write creates are added to ``created`` (they need
-        their TTL; a rewrite keeps the key's own, ``KEEPTTL``)."""
-        done = dict(sample.persisted) or {"id": secrets.token_hex(6), "arrays": {}, "turns": 0, "text": 0, "meta": b""}
-        sample_id = done["id"]
-        arrays = dict(done["arrays"])
-        for name in ARRAYS:
-            buffer: GrowableArray | None = getattr(sample, name)
-            if buffer is None:
-                continue
-            part = Keys.part(key, sample_id, name)
-            state = (buffer.generation, len(buffer))
-            written = arrays.get(name)
-            if written is not None and tuple(written) == state:
-                continue
-            if written is not None and written[0] == buffer.generation and written[1] <= len(buffer):
-                ops.append(("A", part, _raw(buffer.view()[written[1] :])))
-            else:
-                ops.append(("S", part, _raw(buffer.view())))
-                if written is None:
-                    created.append(part)
-            arrays[name] = state
-        turns = sample.turns
-        turns_key = Keys.part(key, sample_id, "turns")
-        if len(turns) < done["turns"]:
-            ops.append(("D", turns_key, ""))
-            done["turns"] = 0
-        if len(turns) > done["turns"]:
-            if not done["turns"]:  # the list starts here
-                created.append(turns_key)
-            for turn in turns[done["turns"] :]:
-                ops.append(("R", turns_key, orjson.dumps(turn.to_json())))
-        text = sample.response
-        text_key = Keys.part(key, sample_id, "text")
-        if len(text) < done["text"]:
-            ops.append(("S", text_key, text.encode()))
-        elif len(text) > done["text"]:
-            ops.append(("A", text_key, text[done["text"] :].encode()))
-            if not done["text"]:
-                created.append(text_key)
-        meta = orjson.dumps(_sample_meta(sample))
-        if meta != done.get("meta"):
-            meta_key = Keys.part(key, sample_id, "meta")
-            ops.append(("S", meta_key, meta))
-            if not sample.persisted:
-                created.append(meta_key)
-        return {"id": sample_id, "arrays": arrays, "turns": len(turns), "text": len(text), "meta": meta}
 
     # ---- deleting --------------------------------------------------------------------------------------------
     async def _delete(self, session_id: str, *, idle_before: float | None) -> tuple[str, str | None]:
@@ -644,7 +646,7 @@ class RedisSessionStore(SessionStore):
                 if stamp is None:
                     answer = [b"missing"]
                 else:
-                    keys = [key, Keys.lease(key), *self._keys.all(key, orjson.loads(samples))[1:]]
+                    keys = [key, Keys.lease(key), *Keys.all(key, orjson.loads(samples))[1:]]
                     answer = await self._delete_script(
                         self.redis, keys, [stamp, "" if idle_before is None else idle_before]
                     )
@@ -673,25 +675,23 @@ class RedisSessionStore(SessionStore):
                 if "stamp" not in fields:
                     self._forget(session_id)
                     raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
-                sample_ids = orjson.loads(fields["samples"])
+                layout = orjson.loads(fields["samples"])
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for sample_id in sample_ids:
-                        pipe.get(Keys.part(key, sample_id, "meta"))
-                        for name in ARRAYS:
-                            pipe.get(Keys.part(key, sample_id, name))
-                        pipe.lrange(Keys.part(key, sample_id, "turns"), 0, -1)
-                        pipe.get(Keys.part(key, sample_id, "text"))
+                    for sample in layout:
+                        pipe.get(Keys.part(key, sample["id"], "meta"))
+                        for name, chunks in sample["chunks"].items():
+                            for number in range(chunks):
+                                pipe.get(Keys.chunk(key, sample["id"], name, number))
+                        pipe.lrange(Keys.part(key, sample["id"], "turns"), 0, -1)
+                        pipe.get(Keys.part(key, sample["id"], "text"))
                     pipe.hget(key, "stamp")  # unchanged since the hash was read: no write landed in between
                     answers = await pipe.execute()
                 if answers[-1] == fields["stamp"]:
                     break
             else:
                 raise StoreUnavailable(f"read: session {session_id!r} kept changing while it was read", reason="redis")
-        per_sample = len(PARTS)
-        samples = [
-            _read_sample(sample_id, answers[i * per_sample : (i + 1) * per_sample])
-            for i, sample_id in enumerate(sample_ids)
-        ]
+        replies = iter(answers)
+        samples = [_read_sample(sample["id"], sample["chunks"], replies) for sample in layout]
         session = _session_from_fields(session_id, fields, samples)
         self._register(session)
         self._cached[session_id] = (fields.get("incarnation", b"").decode(), fields["stamp"].decode())
@@ -719,6 +719,95 @@ class RedisSessionStore(SessionStore):
                 self._forget(session.session_id)
 
 
+class WriteBatch:
+    """The operations of one write (the script's (code, key, value) triples), the keys it creates (they need their
+    TTL) and the bytes staged beside it (``STAGE_BYTES``)."""
+
+    def __init__(self, session_key: str, stamp: str) -> None:
+        self.key = session_key
+        self.stamp = stamp
+        self.ops: list[tuple[str, str, Any]] = []
+        self.created: list[str] = []
+        self.staged: list[tuple[str, memoryview]] = []
+
+    def put(self, key: str, payload: memoryview, *, new: bool) -> None:
+        """``key`` becomes ``payload``."""
+        if len(payload) >= STAGE_BYTES:
+            stage = Keys.stage(self.key, self.stamp, len(self.staged))
+            self.staged.append((stage, payload))
+            self.ops.append(("M", key, stage))  # the script gives the key its TTL
+            return
+        self.ops.append(("S", key, payload.tobytes()))
+        if new:
+            self.created.append(key)
+
+    def sample(self, sample: SessionSample) -> dict[str, Any]:
+        """Add the writes of what ``sample`` gained since it was last written; returns its bookkeeping after them
+        (kept once the write succeeded)."""
+        done = dict(sample.persisted) or {"id": secrets.token_hex(6), "arrays": {}, "turns": 0, "text": 0, "meta": b""}
+        sample_id = done["id"]
+        arrays = dict(done["arrays"])
+        for name in ARRAYS:
+            buffer: GrowableArray | None = getattr(sample, name)
+            if buffer is not None:
+                arrays[name] = self.array(sample_id, name, buffer, arrays.get(name))
+        turns = sample.turns
+        turns_key = Keys.part(self.key, sample_id, "turns")
+        if len(turns) < done["turns"]:
+            self.ops.append(("D", turns_key, ""))
+            done["turns"] = 0
+        if len(turns) > done["turns"]:
+            if not done["turns"]:  # the list starts here
+                self.created.append(turns_key)
+            for turn in turns[done["turns"] :]:
+                self.ops.append(("R", turns_key, orjson.dumps(turn.to_json())))
+        text = sample.response
+        text_key = Keys.part(self.key, sample_id, "text")
+        if len(text) < done["text"]:
+            self.ops.append(("S", text_key, text.encode()))
+        elif len(text) > done["text"]:
+            self.ops.append(("A", text_key, text[done["text"] :].encode()))
+            if not done["text"]:
+                self.created.append(text_key)
+        meta = orjson.dumps(_sample_meta(sample))
+        if meta != done["meta"]:
+            self.ops.append(("S", Keys.part(self.key, sample_id, "meta"), meta))
+            if not sample.persisted:
+                self.created.append(Keys.part(self.key, sample_id, "meta"))
+        return {"id": sample_id, "arrays": arrays, "turns": len(turns), "text": len(text), "meta": meta}
+
+    def array(self, sample_id: str, name: str, buffer: GrowableArray, written: list[int] | None) -> list[int]:
+        """Write what array ``name`` (``buffer``) gained to its chunks; ``written``, and the result: (generation,
+        items, chunks, bytes of the last chunk) as Redis has them. New items are appended to the last chunk, or
+        make a new one; earlier items that changed (``GrowableArray.generation``: an upstream that resent all routing
+        rows) rewrite the array as one chunk."""
+        generation, items = buffer.generation, len(buffer)
+
+        def chunk(number: int) -> str:
+            return Keys.chunk(self.key, sample_id, name, number)
+
+        if written is not None and written[0] == generation and written[1] <= items:
+            _, before, chunks, last = written
+            if before == items:
+                return written
+            new = _raw(buffer.view()[before:])
+            if len(new) < STAGE_BYTES and last + len(new) <= CHUNK_BYTES:
+                self.ops.append(("A", chunk(chunks - 1), new.tobytes()))
+                return [generation, items, chunks, last + len(new)]
+            self.put(chunk(chunks), new, new=True)
+            return [generation, items, chunks + 1, len(new)]
+        for number in range(1, written[2] if written is not None else 0):
+            self.ops.append(("D", chunk(number), ""))
+        whole = _raw(buffer.view())
+        self.put(chunk(0), whole, new=written is None)
+        return [generation, items, 1, len(whole)]
+
+
+def _layout(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The hash's ``samples``: each sample's id and how many chunks each of its arrays has."""
+    return [{"id": p["id"], "chunks": {name: state[2] for name, state in p["arrays"].items()}} for p in pending]
+
+
 async def _together(first: Awaitable[Any], second: Awaitable[Any]) -> Any:
     """Both at once (on a cluster, their keys may be on two nodes); the first's answer, or the first error."""
     answers = await asyncio.gather(first, second, return_exceptions=True)
@@ -729,8 +818,9 @@ async def _together(first: Awaitable[Any], second: Awaitable[Any]) -> Any:
 
 
 def _raw(array: np.ndarray) -> memoryview:
-    """An array's bytes without a copy (redis-py sends a memoryview as it is)."""
-    return memoryview(np.ascontiguousarray(array)).cast("B")
+    """An array's bytes without a copy. redis-py sends a memoryview as it is, but as a write of its own: small ones
+    are copied (``tobytes``) into the command's one buffer."""
+    return memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")  # 1-D: a cast refuses an empty (0, L, K)
 
 
 # ---- the session's hash: its small fields --------------------------------------------------------------------------
@@ -741,7 +831,7 @@ def _session_fields(session: Session, pending: list[dict[str, Any]]) -> dict[str
     """The hash's fields (besides incarnation and stamp), each a JSON document or a number: the chat layer's record
     is one opaque JSON blob, its trajectories are the samples, listed in order."""
     return {
-        "samples": orjson.dumps([p["id"] for p in pending]),
+        "samples": orjson.dumps(_layout(pending)),
         "metadata": orjson.dumps(session.metadata),
         "sampling_defaults": orjson.dumps(session.sampling_defaults),
         "created_at": repr(session.created_at).encode(),
@@ -779,17 +869,19 @@ def _sample_meta(sample: SessionSample) -> dict[str, Any]:
     }
 
 
-def _read_sample(sample_id: str, answers: list[Any]) -> SessionSample:
-    meta_raw = answers[0]
+def _read_sample(sample_id: str, chunks: dict[str, int], replies: Iterator[Any]) -> SessionSample:
+    """A sample from the replies to ``_load``'s reads of it, in their order: meta, each array's chunks, turns, text."""
+    meta_raw = next(replies)
     meta = orjson.loads(meta_raw)
     moe = None if meta["moe"] is None else MoEShape(*meta["moe"])
-    raw = dict(zip(ARRAYS, answers[1 : 1 + len(ARRAYS)], strict=True))
-    turns, text = answers[1 + len(ARRAYS)], answers[2 + len(ARRAYS)] or b""
+    raw = {name: [next(replies) or b"" for _ in range(count)] for name, count in chunks.items()}
+    turns, text = next(replies), next(replies) or b""
 
     def array(name: str) -> GrowableArray | None:
-        data = raw[name]
-        if data is None:
+        if name not in raw:
             return None
+        parts = raw[name]
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
         if name == "routed_experts":
             assert moe is not None
             rows = np.frombuffer(data, dtype=np.dtype(meta["routing_dtype"])).reshape(-1, moe.num_layers, moe.topk)
@@ -797,7 +889,7 @@ def _read_sample(sample_id: str, answers: list[Any]) -> SessionSample:
         return GrowableArray.from_array(np.frombuffer(data, dtype=ARRAYS[name]))
 
     def required(name: str) -> GrowableArray:
-        return array(name) or GrowableArray(ARRAYS[name])  # an empty array is written as no key at all
+        return array(name) or GrowableArray(ARRAYS[name])
 
     sample = SessionSample(
         prompt_length=meta["prompt_length"],
@@ -819,9 +911,9 @@ def _read_sample(sample_id: str, answers: list[Any]) -> SessionSample:
         _text_pieces=[text.decode()] if text else [],
     )
     arrays = {
-        name: (buffer.generation, len(buffer))
-        for name in ARRAYS
-        if raw[name] is not None and (buffer := getattr(sample, name)) is not None
+        name: [buffer.generation, len(buffer), len(parts), len(parts[-1])]
+        for name, parts in raw.items()
+        if (buffer := getattr(sample, name)) is not None
     }
     sample.persisted = {
         "id": sample_id,

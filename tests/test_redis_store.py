@@ -42,7 +42,7 @@ from conftest import (
 from procs import free_port
 from safetensors.numpy import load
 
-from gateway.redis_store import Keys
+from gateway.redis_store import Keys, _raw
 
 TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
 PROMPT = list(range(10, 40))
@@ -169,6 +169,12 @@ def test_no_session_id_reaches_another_ones_keys() -> None:
     assert keys.session("a{b}") == "p:s:{a%7Bb%7D}" and keys.session("a%7Bb%7D") == "p:s:{a%257Bb%257D}"
     with pytest.raises(ValueError, match="prefix"):
         Keys("a{b}")
+
+
+def test_array_bytes_are_sent_without_a_copy_whatever_the_shape() -> None:
+    routing = np.arange(3 * 4 * 2, dtype=np.uint8).reshape(3, 4, 2)
+    assert bytes(_raw(routing[1:])) == routing[1:].tobytes()
+    assert len(_raw(np.zeros((0, 4, 2), np.uint8))) == 0 and len(_raw(np.zeros(5, np.int32))) == 20
 
 
 @pytest.mark.parametrize("kind", STORES)
@@ -592,6 +598,37 @@ def monitored(port: int) -> Iterator[list[str]]:
     for client, command in re.findall(rb'^\+[0-9.]+ \[\d+ ([^\]]+)\] "([^"]+)"', received, flags=re.MULTILINE):
         if client != b"lua" and command.lower() != b"ping":
             seen.append(command.decode().lower())
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_big_writes_go_in_chunks_and_every_replica_reads_them_back(
+    simulator: Service, kind: str, request: pytest.FixtureRequest
+) -> None:
+    """New bytes from STAGE_BYTES on are staged beside the write script and become a chunk of their own; smaller
+    ones are appended to the last chunk. Whatever the mix, another replica (and a fresh one) reads the same arrays,
+    and no staging key is left behind."""
+    url = request.getfixturevalue("redis_server" if kind == "redis" else "redis_cluster").url
+    sid = f"chunks-{uuid.uuid4().hex[:8]}"
+    big = list(range(40_000))  # 160 kB of tokens: staged
+    with replicas(simulator.url, url) as (a, b):
+        create(a, sid, prompt_ids=big, sampling_defaults={})
+        post(b, f"/v1/sessions/{sid}/append", {"token_ids": big[::-1]})
+        post(a, f"/v1/sessions/{sid}/append", {"token_ids": [1, 2, 3]})
+        post(b, f"/v1/sessions/{sid}/generate", tokens(8))
+        post(a, f"/v1/sessions/{sid}/append", {"token_ids": big[:20_000]})
+        post(b, f"/v1/sessions/{sid}/generate", tokens(8))
+        held = assert_replicas_agree([a, b], sid)
+        prefix = next(iter(sync_client(url).scan_iter(match=f"*:s:{{{sid}}}"))).decode()
+    tokens_held = held["arrays"]["tokens"]
+    assert len(tokens_held) == 40_000 * 2 + 3 + 8 + 20_000 + 8
+    np.testing.assert_array_equal(tokens_held[40_000:80_000], big[::-1])
+    client = sync_client(url)
+    chunk_keys = list(client.scan_iter(match=f"{prefix}:x:*:tokens:*"))
+    assert len(chunk_keys) == 3  # the prompt, the first big append (+ what followed), the second big append
+    assert not list(client.scan_iter(match=f"{prefix}:stage:*"))
+    with run_gateway(simulator.url, env=redis_env(url, prefix.split(":s:")[0])) as fresh:
+        assert_same_sample(sample(fresh, sid), held)
+    client.close()
 
 
 def test_renewing_holds_never_fails_a_turn(simulator: Service, redis_server: RedisServer) -> None:
