@@ -129,10 +129,12 @@ class Settings(BaseSettings):
         description="the served model's Hugging Face tokenizer directory (with its chat template): enables the "
         "OpenAI and Anthropic chat routes; read locally, never downloaded",
     )
-    chat_tool_parser: Literal["hermes"] = Field(
+    chat_tool_parser: Literal["hermes", "qwen3_coder", "glm45", "kimi_k2", "deepseekv31"] = Field(
         "hermes",
-        description="how tool calls are read from completions, by SGLang's --tool-call-parser name (hermes: "
-        "<tool_call>{json}</tool_call>)",
+        description="how tool calls are read from completions, by SGLang's --tool-call-parser name: hermes "
+        "(<tool_call>{json}</tool_call>), qwen3_coder (<tool_call><function=NAME><parameter=KEY>...), glm45 "
+        "(<tool_call>NAME<arg_key>...), kimi_k2 (<|tool_calls_section_begin|>...), deepseekv31 "
+        "(<｜tool▁calls▁begin｜>...)",
     )
     chat_reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = Field(
         "none",

@@ -20,7 +20,7 @@ from gateway.chat.conversation import ChatPlan, DriftPolicy, RewritePolicy, appl
 from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, order_tool_results
 from gateway.chat.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
 from gateway.chat.template import ChatTemplate
-from gateway.chat.tool_parsers import PARSERS, STREAM_SPLITTERS, HermesStreamSplitter, ParsedCompletion
+from gateway.chat.tool_parsers import PARSERS, STREAM_SPLITTERS, ParsedCompletion, ToolCallStreamSplitter
 from gateway.errors import ContextLengthExceeded, GatewayError, PreviousResponseNotFound
 from gateway.schemas import TurnCreate
 from gateway.state import GatewayState
@@ -258,7 +258,7 @@ class ChatService:
             reasoning, text = self.reasoning.split(text, inside=self.starts_inside_reasoning(plan))
         if not request.parse_tool_calls:
             return ParsedCompletion(text, ()), reasoning
-        parsed = PARSERS[self.settings.tool_parser](text)
+        parsed = PARSERS[self.settings.tool_parser](text, request.tools)
         if parsed.failed and state is not None:
             state.metrics.chat_tool_parse_failures.labels(self.settings.tool_parser).inc()
         return parsed, reasoning
@@ -320,7 +320,7 @@ class ReplySplitter:
     """A streamed completion split as it arrives into reasoning and content, the content holding back what may be
     tool calls; ``finish`` gives what remains of each so that the streamed text equals the unary answer's."""
 
-    def __init__(self, reasoning: ReasoningStream | None, tools: HermesStreamSplitter | None) -> None:
+    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStreamSplitter | None) -> None:
         self._reasoning = reasoning
         self._tools = tools
         self._content_sent = 0
