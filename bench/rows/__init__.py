@@ -8,6 +8,7 @@ from types import ModuleType
 from bench.core import RowFn
 from bench.rows import (
     chat_turn,
+    cluster_replicas,
     decode_fold,
     dropin_turns,
     event_loop,
@@ -54,4 +55,5 @@ ROWS: tuple[Row, ...] = (
     _row(14, redis_turn),
     _row(15, replicas),
     _row(16, ui_render),
+    _row(17, cluster_replicas),
 )
