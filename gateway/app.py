@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from gateway import __version__
+from gateway import __version__, openapi
 from gateway.auth import HEALTH_PATH, METRICS_PATH, AuthMiddleware, KeyRing
 from gateway.chat.service import ChatService, ChatSettings
 from gateway.chat.template import ChatTemplate
@@ -107,6 +107,7 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
     app.include_router(sessions.router)
     app.include_router(chat.router)
     app.include_router(ui.router)
+    openapi.install(app, settings)  # the document the routes describe (gateway.openapi)
     return app
 
 

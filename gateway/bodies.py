@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import re
 import uuid
+from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, TypeVar
 
 import numpy as np
 import orjson
 import pydantic_core
-from pydantic import BaseModel, Field, GetCoreSchemaHandler, StrictInt, TypeAdapter, ValidationError
+from pydantic import BaseModel, GetCoreSchemaHandler, GetJsonSchemaHandler, TypeAdapter, ValidationError
+from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import InitErrorDetails, core_schema
 
 INT32_MAX = 2**31 - 1
@@ -47,27 +49,59 @@ _JSON_POSITION = re.compile(r" at line (\d+) column (\d+)$")
 Model = TypeVar("Model", bound=BaseModel)
 
 
+def _whole(value: float) -> int:
+    if not value.is_integer():
+        raise ValueError("a fractional number")
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class WholeNumber:
+    """An integer as JSON Schema (2020-12, what the OpenAPI document uses) has it: ``2`` and ``2.0`` are one, and
+    so is ``1e3``; ``2.5``, ``"2"`` and ``true`` are not (each ``int_type``, as pydantic's strict int says). Bounds
+    as ``Field``'s (their errors pydantic's too). ``Annotated[int, WholeNumber(ge=0)]``."""
+
+    ge: int | None = None
+    le: int | None = None
+    gt: int | None = None
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        whole_float = core_schema.no_info_after_validator_function(_whole, core_schema.float_schema(strict=True))
+        number = core_schema.union_schema(
+            [core_schema.int_schema(strict=True), whole_float], custom_error_type="int_type"
+        )
+        bounded = core_schema.int_schema(strict=True, ge=self.ge, le=self.le, gt=self.gt)
+        return core_schema.chain_schema([number, bounded])
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        bounds = {"minimum": self.ge, "maximum": self.le, "exclusiveMinimum": self.gt}
+        return {"type": "integer", **{key: value for key, value in bounds.items() if value is not None}}
+
+
+TokenId = Annotated[int, WholeNumber(ge=0, le=INT32_MAX)]
+_TOKEN_ID = TypeAdapter(TokenId)
+
+
 def _int32_array(values: list[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int32)
 
 
 class _TokenIdArray:
-    """A JSON list of token ids (ints in 0..2**31-1, at least one), held as an int32 array: what the session
+    """A JSON list of token ids (integers in 0..2**31-1, at least one), held as an int32 array: what the session
     stores, without a Python int per token."""
 
     @classmethod
     def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
-        token_id = core_schema.int_schema(strict=True, ge=0, le=INT32_MAX)
         return core_schema.no_info_after_validator_function(
             _int32_array,
-            core_schema.list_schema(token_id, min_length=1),
+            core_schema.list_schema(handler.generate_schema(TokenId), min_length=1),
             serialization=core_schema.plain_serializer_function_ser_schema(np.ndarray.tolist),
         )
 
 
 TokenIds = Annotated[np.ndarray, _TokenIdArray]
-# One element of ``TokenIds``, for the errors of a bad array's elements.
-_TOKEN_ID = TypeAdapter(Annotated[StrictInt, Field(ge=0, le=INT32_MAX)])
 
 
 class _Place(Enum):
@@ -96,7 +130,10 @@ def validate_big_body(model: type[Model], raw: bytes, array_field: str) -> Model
         return rest.model_copy(update={array_field: ids})
     if place is _Place.OVERRIDDEN:  # the key's later value is the one validated: this array does not count
         return model.model_validate_json(_with_stand_in(raw, start, end))
-    raise _bad_array_error(model, raw, start, end, array_field, place)
+    error = _bad_array_error(model, raw, start, end, array_field, place)
+    if error is None:  # not plain digits, yet valid: whole numbers spelled as floats (2.0, 1e3)
+        return model.model_validate_json(raw)
+    raise error
 
 
 def find_array_value(raw: bytes, field: str) -> tuple[int, int] | None:
@@ -184,14 +221,18 @@ def _with_stand_in(raw: bytes, start: int, end: int) -> bytes:
 # ---- a bad array's errors ------------------------------------------------------------------------------------------
 def _bad_array_error(
     model: type[BaseModel], raw: bytes, start: int, end: int, field: str, place: _Place
-) -> ValidationError:
+) -> ValidationError | None:
+    """The error of a body whose token array the steps could not parse; None if the array has no bad element."""
     errors, complete = _array_errors(raw, start, end, field)
+    if not errors and complete:
+        return None
     if not complete and len(raw) < EXACT_BELOW_BYTES:
         # A string or list element hid how the array goes on; a small body is cheap to hand to pydantic whole.
         try:
             model.model_validate_json(raw)
         except ValidationError as exc:
             return exc
+        return None
     if errors and errors[0]["type"] == "json_invalid":  # pydantic reports the first syntax error and nothing else
         return ValidationError.from_exception_data(model.__name__, errors)
     if place is _Place.FIELD_VALUE:

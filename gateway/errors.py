@@ -10,6 +10,7 @@ base64, numpy) are translated into it at one boundary each, with ``raise ... fro
     ├── ChatNotConfigured               501 chat_not_configured  a chat route on a gateway started without a tokenizer
     ├── Unauthorized                    401 unauthorized         no / malformed / wrong API key
     ├── SessionNotFound                 404 session_not_found
+    │   └── BranchNotFound              404 branch_not_found     a sample fetch names a branch the session has not
     ├── PreviousResponseNotFound        404 previous_response_not_found  the Responses API continues an unknown id
     ├── SessionConflict                 409 session_conflict
     │   ├── SessionExists               409 session_exists       create with an id already taken
@@ -110,6 +111,10 @@ class SessionNotFound(GatewayError):
     error_type = "session_not_found"
 
 
+class BranchNotFound(SessionNotFound):
+    error_type = "branch_not_found"
+
+
 class SessionConflict(GatewayError):
     status_code = 409
     error_type = "session_conflict"
@@ -199,6 +204,11 @@ class HeaderTimeout(LimitExceeded):
     error_type = "header_timeout"
 
 
+class BodyTimeout(LimitExceeded):
+    status_code = 408
+    error_type = "body_timeout"
+
+
 class UpstreamError(GatewayError):
     status_code = 502
     error_type = "upstream_error"
@@ -206,11 +216,6 @@ class UpstreamError(GatewayError):
 
 class UpstreamProtocolError(UpstreamError):
     error_type = "upstream_protocol_error"
-
-
-class BodyTimeout(LimitExceeded):
-    status_code = 408
-    error_type = "body_timeout"
 
 
 class ReplayDataDropped(UpstreamProtocolError):

@@ -15,5 +15,9 @@ def json_response(content: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(content), status_code=status_code, media_type="application/json")
 
 
+class SafetensorsResponse(Response):
+    media_type = SAFETENSORS_MEDIA_TYPE
+
+
 def safetensors_response(body: bytes, status_code: int = 200) -> Response:
-    return Response(body, status_code=status_code, media_type=SAFETENSORS_MEDIA_TYPE)
+    return SafetensorsResponse(body, status_code=status_code)

@@ -15,7 +15,7 @@ import numpy as np
 
 from gateway.buffers import GrowableArray
 from gateway.codec import INT32_MAX, DecodedTurn, VersionSpan, narrowest_unsigned, unsigned_max
-from gateway.errors import InvalidRequest, UpstreamProtocolError
+from gateway.errors import InvalidRequest, SessionConflict, UpstreamProtocolError
 
 
 class Status(enum.StrEnum):
@@ -176,7 +176,7 @@ class SessionSample:
     def check_can_request_top_p(self) -> None:
         """slime cannot start top-p replay on a sample that already has response tokens without it."""
         if not self.top_p_active and self.response_length:
-            raise InvalidRequest(
+            raise SessionConflict(
                 "top-p replay must be enabled from the session's first response token: this session already has "
                 f"{self.response_length} response tokens without top-p data"
             )

@@ -19,10 +19,12 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    WithJsonSchema,
     model_validator,
 )
 
-from gateway.bodies import TokenIds, validate_big_body
+from gateway.bodies import TokenId, TokenIds, WholeNumber, validate_big_body
+from gateway.openapi import component
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -31,8 +33,6 @@ MAX_METADATA_BYTES = 64 * 1024
 MAX_NUM_LAYERS = 1024  # DeepSeek-V3: 61, Qwen3-235B: 94
 MAX_MOE_TOPK = 256
 MAX_SYNC_TOKENS = 64
-
-TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 
 
 def _not_a_dot_segment(session_id: str) -> str:
@@ -45,10 +45,45 @@ def _not_a_dot_segment(session_id: str) -> str:
 
 SessionId = Annotated[
     StrictStr,
-    Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@-]+$"),
+    Field(
+        min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@-]+$", json_schema_extra={"not": {"enum": [".", ".."]}}
+    ),
     AfterValidator(_not_a_dot_segment),
 ]
-Number = StrictInt | StrictFloat  # JSON numbers; non-finite ones are refused (allow_inf_nan=False below)
+# Numbers in free-form JSON (and typed ones) fit in 64 bits, whether spelled as integers or not: what orjson can write
+# back (an integer beyond it cannot be serialized at all), and what the OpenAPI document can say (to JSON Schema 1e30
+# and 10**30 are the same number).
+NUMBER_MIN, NUMBER_END = INT64_MIN, INT64_MAX + 1
+
+
+def number(*, ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
+    """A JSON number (integer or not) within 64 bits and these bounds, with its JSON schema (pydantic writes none
+    that JSON Schema reads for bounds on a union). Non-finite numbers are refused by the models
+    (``allow_inf_nan=False``)."""
+    lowest = {"ge": NUMBER_MIN} if ge is None and gt is None else {"ge": ge, "gt": gt}
+    highest = {"lt": NUMBER_END} if le is None else {"le": le}
+    keywords = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
+    bounds = {name: value for name, value in (lowest | highest).items() if value is not None}
+    schema = {"type": "number", **{keywords[name]: value for name, value in bounds.items()}}
+    return Annotated[StrictInt | StrictFloat, Field(**bounds), WithJsonSchema(schema)]
+
+
+Number = number()
+# The OpenAPI document's name for a free-form JSON value as the gateway takes it (``check_json_value``); its schema
+# is ``JSON_VALUE_SCHEMA`` (gateway.openapi puts it in the document's components).
+JSON_VALUE_REF = component("gateway.schemas:JSON_VALUE_SCHEMA", "JsonValue")
+JSON_VALUE_SCHEMA: dict[str, Any] = {
+    "description": "any JSON value, its numbers within 64 bits, nested at most 32 levels deep",
+    "anyOf": [
+        {"type": "null"},
+        {"type": "boolean"},
+        {"type": "string"},
+        {"type": "number", "minimum": NUMBER_MIN, "exclusiveMaximum": NUMBER_END},
+        {"type": "array", "items": JSON_VALUE_REF},
+        {"type": "object", "additionalProperties": JSON_VALUE_REF},
+    ],
+}
+JSON_OBJECT_SCHEMA = {"type": "object", "additionalProperties": JSON_VALUE_REF}
 
 
 def check_json_value(value: Any, where: str, depth: int = 0) -> None:
@@ -65,6 +100,8 @@ def check_json_value(value: Any, where: str, depth: int = 0) -> None:
     elif isinstance(value, float):
         if not math.isfinite(value):
             raise ValueError(f"{where} is not a finite number")
+        if not NUMBER_MIN <= value < NUMBER_END:
+            raise ValueError(f"{where} is a number outside the 64-bit range")
     elif isinstance(value, list):
         for index, item in enumerate(value):
             check_json_value(item, f"{where}[{index}]", depth + 1)
@@ -86,32 +123,38 @@ def _json_object_within(name: str, max_bytes: int) -> Callable[[dict[str, Any]],
     return check
 
 
-Metadata = Annotated[dict[str, Any], AfterValidator(_json_object_within("metadata", MAX_METADATA_BYTES))]
+Metadata = Annotated[
+    dict[str, Any],
+    AfterValidator(_json_object_within("metadata", MAX_METADATA_BYTES)),
+    WithJsonSchema({**JSON_OBJECT_SCHEMA, "description": f"stored and sent back; at most {MAX_METADATA_BYTES} bytes"}),
+]
 
 
 class SamplingParams(BaseModel):
     """SGLang's ``sampling_params``: the keys a trainer sends are typed, any other key is forwarded as it came (SGLang
     knows more than listed here) once it is plain, finite, storable JSON."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="allow", allow_inf_nan=False, json_schema_extra={"additionalProperties": JSON_VALUE_REF}
+    )
 
-    temperature: Annotated[Number, Field(ge=0)] | None = None
-    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] | None = None  # -1: off
-    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
-    max_new_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None
-    min_new_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None
+    temperature: number(ge=0) | None = None
+    top_p: number(gt=0, le=1) | None = None
+    top_k: Annotated[int, WholeNumber(ge=-1, le=INT32_MAX)] | None = None  # -1: off
+    min_p: number(ge=0, le=1) | None = None
+    max_new_tokens: Annotated[int, WholeNumber(ge=0, le=INT32_MAX)] | None = None
+    min_new_tokens: Annotated[int, WholeNumber(ge=0, le=INT32_MAX)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     no_stop_trim: StrictBool | None = None
     spaces_between_special_tokens: StrictBool | None = None
-    sampling_seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    sampling_seed: Annotated[int, WholeNumber(ge=INT64_MIN, le=INT64_MAX)] | None = None
     frequency_penalty: Number | None = None
     presence_penalty: Number | None = None
     repetition_penalty: Number | None = None
-    custom_params: dict[str, Any] | None = None
+    custom_params: Annotated[dict[str, Any], WithJsonSchema(JSON_OBJECT_SCHEMA)] | None = None
 
     @model_validator(mode="after")
     def _the_rest_is_plain_json(self) -> SamplingParams:
@@ -121,13 +164,22 @@ class SamplingParams(BaseModel):
         return self
 
 
+# The typed keys whose whole numbers may come spelled as floats (2.0): forwarded as integers.
+_WHOLE_NUMBER_PARAMS = ("top_k", "max_new_tokens", "min_new_tokens", "sampling_seed", "stop_token_ids")
+
+
 def _sampling_params(value: dict[str, Any]) -> dict[str, Any]:
-    """Checked as ``SamplingParams``, kept as the dict the client sent (forwarded upstream as it came)."""
-    SamplingParams.model_validate(value)
-    return value
+    """Checked as ``SamplingParams``, kept as the dict the client sent (forwarded upstream as it came, but for the
+    whole numbers spelled as floats, which go as integers)."""
+    checked = SamplingParams.model_validate(value)
+    return value | {key: getattr(checked, key) for key in _WHOLE_NUMBER_PARAMS if value.get(key) is not None}
 
 
-SamplingParamsDict = Annotated[dict[str, Any], AfterValidator(_sampling_params)]
+SamplingParamsDict = Annotated[
+    dict[str, Any],
+    AfterValidator(_sampling_params),
+    WithJsonSchema(component("gateway.schemas:SamplingParams", "SamplingParams")),
+]
 
 
 class _Body(BaseModel):
@@ -140,7 +192,7 @@ class SessionSync(_Body):
     otherwise): a caller that keeps its own copy of the tokens (the slime drop-in) goes straight to the turn
     instead of asking for the session's state first."""
 
-    total_tokens: Annotated[StrictInt, Field(ge=1)]
+    total_tokens: Annotated[int, WholeNumber(ge=1)]
     last_tokens: Annotated[list[TokenId], Field(max_length=MAX_SYNC_TOKENS)] = Field(default_factory=list)
 
 
@@ -149,7 +201,19 @@ class SessionSync(_Body):
 DeleteAfterTurn = Literal["never", "always", "if_finished"]
 
 
+def _present(field: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """JSON Schema for "``field`` is given and not null, and matches ``schema``"."""
+    return {"required": [field], "properties": {field: {"allOf": [{"not": {"type": "null"}}, schema]}}}
+
+
 class TurnCreate(_Body):
+    model_config = ConfigDict(
+        json_schema_extra={  # the model validator, for the OpenAPI document
+            "if": _present("stream", {"const": True}),
+            "then": {"properties": {"delete_after_turn": {"const": "never"}}},
+        }
+    )
+
     sampling_params: SamplingParamsDict = Field(default_factory=dict)
     return_routed_experts: StrictBool | None = None
     stream: StrictBool = False
@@ -163,8 +227,15 @@ class TurnCreate(_Body):
         return self
 
 
+def _unary_and_unsynced(schema: dict[str, Any]) -> None:
+    schema["properties"]["stream"] = {"type": "boolean", "const": False, "default": False}
+    schema["properties"]["sync"] = {"type": "null", "default": None}
+
+
 class FirstTurn(TurnCreate):
     """``POST /v1/sessions`` with ``generate``: the session and its first turn in one round trip."""
+
+    model_config = ConfigDict(json_schema_extra=_unary_and_unsynced)
 
     @model_validator(mode="after")
     def _unary_and_unsynced(self) -> FirstTurn:
@@ -180,10 +251,20 @@ class ToolAppend(_Body):
 
 
 class SessionCreate(_Body):
+    model_config = ConfigDict(
+        json_schema_extra={  # the model validator, for the OpenAPI document
+            "allOf": [
+                {"if": _present("num_layers", {}), "then": _present("moe_router_topk", {})},
+                {"if": _present("moe_router_topk", {}), "then": _present("num_layers", {})},
+                {"if": _present("generate", {}), "then": _present("prompt_ids", {})},
+            ]
+        }
+    )
+
     # an int32 array, not a Python int per token. None: a chat session, whose prompt its first chat request renders
     prompt_ids: TokenIds | None = None
-    num_layers: Annotated[StrictInt, Field(gt=0, le=MAX_NUM_LAYERS)] | None = None
-    moe_router_topk: Annotated[StrictInt, Field(gt=0, le=MAX_MOE_TOPK)] | None = None
+    num_layers: Annotated[int, WholeNumber(gt=0, le=MAX_NUM_LAYERS)] | None = None
+    moe_router_topk: Annotated[int, WholeNumber(gt=0, le=MAX_MOE_TOPK)] | None = None
     session_id: SessionId | None = None
     metadata: Metadata | None = None
     sampling_defaults: SamplingParamsDict | None = None

@@ -30,7 +30,7 @@ from gateway.codec import (
     decode_generate_response,
     stream_error_payload,
 )
-from gateway.errors import GatewayError, InvalidRequest, LimitExceeded, UpstreamError, UpstreamProtocolError
+from gateway.errors import GatewayError, LimitExceeded, SessionConflict, UpstreamError, UpstreamProtocolError
 from gateway.sample import ModelTurnPlan
 from gateway.schemas import TurnCreate
 from gateway.state import GatewayState
@@ -64,14 +64,15 @@ def plan_turn(session: Session, request: TurnCreate, *, incremental_routing: boo
     if request.sync is not None:
         session.check_sync(request.sync.total_tokens, request.sync.last_tokens)
     sample = session.sample
+    # What the session is like now refuses these (valid) bodies: 409, a conflict with the session's state.
     if not len(sample.tokens):
-        raise InvalidRequest(
+        raise SessionConflict(
             f"session {session.session_id!r} has no prompt yet: a session created without prompt_ids is a chat "
             "session, whose first chat request renders its prompt"
         )
     want_routing = sample.moe is not None if request.return_routed_experts is None else request.return_routed_experts
     if want_routing and sample.moe is None:
-        raise InvalidRequest(
+        raise SessionConflict(
             "return_routed_experts needs the session's MoE shape: create it with num_layers and moe_router_topk"
         )
     sampling_params = session.sampling_defaults | request.sampling_params

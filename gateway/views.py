@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 
 from gateway.codec import narrowest_unsigned, safetensors_stream
-from gateway.errors import InvalidRequest
+from gateway.errors import BranchNotFound
 from gateway.sample import SessionSample
 from gateway.store import Session
 
@@ -121,7 +121,7 @@ def session_branch(session: Session, branch: int | None) -> SessionSample:
         return session.sample
     samples = session.samples
     if not 0 <= branch < len(samples):
-        raise InvalidRequest(
+        raise BranchNotFound(
             f"session {session.session_id!r} has branches 0..{len(samples) - 1}, not {branch}",
             branches=len(samples),
         )

@@ -239,9 +239,9 @@ async def test_bad_create_is_bad_request(gw: GatewayClient, kwargs: dict[str, An
     assert caught.value.error_type == "invalid_request"
 
 
-async def test_routing_on_plain_session_is_bad_request(gw: GatewayClient) -> None:
+async def test_routing_on_plain_session_is_a_conflict(gw: GatewayClient) -> None:
     session = await gw.create_session(prompt_ids=PROMPT)
-    with pytest.raises(BadRequestError):
+    with pytest.raises(ConflictError):  # a valid request this session (no MoE shape) cannot take
         await session.generate({"max_new_tokens": 3}, return_routed_experts=True)
 
 

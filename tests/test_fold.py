@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from slime_reference import ReferenceArgs, ReferenceSample
 
 from gateway.codec import DecodedTurn, VersionSpan, decode_answer, decode_generate_response
-from gateway.errors import GatewayError, InvalidRequest, ReplayDataDropped, UpstreamProtocolError
+from gateway.errors import GatewayError, InvalidRequest, ReplayDataDropped, SessionConflict, UpstreamProtocolError
 from gateway.sample import UNKNOWN_VERSION_ID, MoEShape, SessionSample, Status
 from gateway.turns import aborted_turn
 
@@ -557,7 +557,7 @@ def test_check_can_request_top_p_refuses_late_start() -> None:
     twin.gateway.check_can_request_top_p()  # no response tokens yet: fine
     twin.model(Fold(make_answer([7])))
     before = snapshot(twin.gateway)
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(SessionConflict):
         twin.gateway.check_can_request_top_p()
     assert snapshot(twin.gateway) == before
 

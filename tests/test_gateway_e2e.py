@@ -304,10 +304,10 @@ async def test_bad_turn_bodies_are_422(gw: httpx.AsyncClient, body: dict[str, An
     assert response.status_code == 422, response.text
 
 
-async def test_routing_without_moe_shape_is_422(gw: httpx.AsyncClient) -> None:
+async def test_routing_without_moe_shape_is_a_conflict(gw: httpx.AsyncClient) -> None:
     sid = await new_session(gw, moe=False)
     response = await gw.post(f"/v1/sessions/{sid}/generate", json={"return_routed_experts": True})
-    assert response.status_code == 422
+    assert response.status_code == 409  # a valid body this session cannot take
     assert "num_layers" in response.json()["error"]["message"]
 
 
@@ -316,7 +316,7 @@ async def test_top_p_cannot_start_mid_session(gw: httpx.AsyncClient) -> None:
     await turn(gw, sid)
     before = await full_view(gw, sid)
     response = await gw.post(f"/v1/sessions/{sid}/generate", json={"sampling_params": TOP_P})
-    assert response.status_code == 422
+    assert response.status_code == 409
     assert "top-p" in response.json()["error"]["message"]
     assert await full_view(gw, sid) == before
 

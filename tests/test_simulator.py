@@ -331,6 +331,16 @@ async def test_without_routed_experts_flag() -> None:
             assert info["enable_return_routed_experts"] is False
 
 
+async def test_context_length_refuses_what_does_not_fit() -> None:
+    """``--context-length``: prompt + max_new_tokens past it is SGLang's 400, with its words; up to it, an answer."""
+    with _run("--context-length", str(len(PROMPT) + 8)) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            assert (await client.post("/generate", json=body(max_new=8))).status_code == 200
+            refused = await client.post("/generate", json=body(max_new=9))
+            assert refused.status_code == 400
+            assert "exceeds the model's maximum context length" in refused.json()["error"]["message"]
+
+
 # ------------------------------------------------------------------------------------------- streaming
 
 

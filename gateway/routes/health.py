@@ -5,13 +5,16 @@ import time
 from fastapi import APIRouter, Response
 
 from gateway import __version__
+from gateway import openapi as doc
 from gateway.responses import json_response
 from gateway.state import StateDep
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/health")
+@router.get(
+    "/health", responses={**doc.answers(200, "the gateway is up", (doc.JSON, doc.ref(doc.Health))), **doc.errors()}
+)
 async def health(state: StateDep) -> Response:
     return json_response(
         {

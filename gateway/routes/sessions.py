@@ -4,16 +4,27 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Annotated
 
 import numpy as np
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
+from gateway import openapi as doc
 from gateway.codec import safetensors_stream
 from gateway.errors import GatewayError
-from gateway.responses import SAFETENSORS_MEDIA_TYPE, json_response, safetensors_response
+from gateway.responses import SAFETENSORS_MEDIA_TYPE, SafetensorsResponse, json_response, safetensors_response
 from gateway.sample import MoEShape, SessionSample, Status
-from gateway.schemas import SampleBatchBody, SessionCreateBody, ToolAppendBody, TurnCreate, TurnCreateBody
+from gateway.schemas import (
+    SampleBatchBody,
+    SampleBatchRequest,
+    SessionCreate,
+    SessionCreateBody,
+    ToolAppend,
+    ToolAppendBody,
+    TurnCreate,
+    TurnCreateBody,
+)
 from gateway.state import GatewayState, StateDep
 from gateway.turns import ABORT_GRACE_S, FoldedTurn, open_stream_turn, run_turn
 from gateway.views import full_view, group_payload, sample_payload, session_summary, session_view, turn_payload
@@ -23,7 +34,23 @@ ABORT_WAIT_S = ABORT_GRACE_S + 2.0
 FINISHED = frozenset({Status.COMPLETED, Status.TRUNCATED})  # slime never generates for these samples again
 
 
-@router.post("/sessions", status_code=201)
+@router.post(
+    "/sessions",
+    status_code=201,
+    operation_id="create_session",
+    openapi_extra=doc.json_request(SessionCreate, required=False),
+    responses={
+        **doc.answers(
+            201,
+            "the session's summary; with `generate`, the first turn's summary, or with `Accept: "
+            "application/vnd.safetensors` its tensors",
+            (doc.JSON, {"anyOf": [doc.ref(doc.SessionSummary), doc.ref(doc.TurnSummary)]}),
+            (doc.SAFETENSORS, doc.BINARY),
+            links=doc.session_links(),
+        ),
+        **doc.errors(*doc.BODY_ERRORS, *doc.UPSTREAM_ERRORS, 409, 429, 507),
+    },
+)
 async def create_session(body: SessionCreateBody, state: StateDep, request: Request) -> Response:
     moe = None if body.num_layers is None else MoEShape(body.num_layers, body.moe_router_topk)  # type: ignore[arg-type]
     session = await state.store.create(
@@ -45,13 +72,21 @@ async def create_session(body: SessionCreateBody, state: StateDep, request: Requ
     return await _turn_response(state, folded, request, status_code=201)
 
 
-@router.get("/sessions")
+@router.get(
+    "/sessions",
+    operation_id="list_sessions",
+    responses={**doc.answers(200, "the sessions", (doc.JSON, doc.ref(doc.SessionList))), **doc.errors()},
+)
 async def list_sessions(state: StateDep) -> Response:
     sessions = await state.store.list_sessions()
     return json_response({"count": len(sessions), "sessions": sessions})
 
 
-@router.get("/sessions/{session_id}")
+@router.get(
+    "/sessions/{session_id}",
+    operation_id="get_session",
+    responses={**doc.answers(200, "the session's view", (doc.JSON, doc.ref(doc.SessionView))), **doc.errors(404, 422)},
+)
 async def get_session(session_id: str, state: StateDep, full: bool = False) -> Response:
     session = await state.store.get(session_id)
     if not full:
@@ -60,13 +95,34 @@ async def get_session(session_id: str, state: StateDep, full: bool = False) -> R
     return Response(await state.run_cpu(view.nbytes, view.encode), media_type="application/json")
 
 
-@router.delete("/sessions/{session_id}", status_code=204)
+@router.delete(
+    "/sessions/{session_id}",
+    operation_id="delete_session",
+    status_code=204,
+    response_class=Response,
+    responses={204: {"description": "deleted"}, **doc.errors(404, 409)},
+)
 async def delete_session(session_id: str, state: StateDep) -> Response:
     await state.store.delete(session_id)
     return Response(status_code=204)
 
 
-@router.post("/sessions/{session_id}/generate")
+@router.post(
+    "/sessions/{session_id}/generate",
+    operation_id="generate",
+    openapi_extra=doc.json_request(TurnCreate, required=False),
+    responses={
+        **doc.answers(
+            200,
+            "the turn's summary; with `stream`, its events (token deltas, then the summary as a `turn` event, or an "
+            "`error` event); with `Accept: application/vnd.safetensors`, the turn's own tensors",
+            (doc.JSON, doc.ref(doc.TurnSummary)),
+            (doc.SSE, doc.SSE_EVENT),
+            (doc.SAFETENSORS, doc.BINARY),
+        ),
+        **doc.errors(*doc.BODY_ERRORS, *doc.UPSTREAM_ERRORS, 404, 409, 507),
+    },
+)
 async def generate(session_id: str, body: TurnCreateBody, state: StateDep, request: Request) -> Response:
     if body.stream:
         return await _stream_turn(session_id, body, state)
@@ -108,7 +164,14 @@ async def _stream_turn(session_id: str, body: TurnCreate, state: StateDep) -> Re
     )
 
 
-@router.post("/sessions/{session_id}/abort")
+@router.post(
+    "/sessions/{session_id}/abort",
+    operation_id="abort",
+    responses={
+        **doc.answers(200, "whether a turn was aborted", (doc.JSON, doc.ref(doc.AbortAnswer))),
+        **doc.errors(404),
+    },
+)
 async def abort(session_id: str, state: StateDep) -> Response:
     """Abort the running turn; answers once it has ended (tokens so far folded in, status aborted)."""
     session = await state.store.get(session_id)
@@ -126,7 +189,15 @@ async def abort(session_id: str, state: StateDep) -> Response:
     return json_response(session_summary(session) | {"aborted": True, "rid": running.rid, "finished": finished})
 
 
-@router.post("/sessions/{session_id}/append")
+@router.post(
+    "/sessions/{session_id}/append",
+    operation_id="append",
+    openapi_extra=doc.json_request(ToolAppend, required=True),
+    responses={
+        **doc.answers(200, "the session's summary", (doc.JSON, doc.ref(doc.SessionSummary))),
+        **doc.errors(*doc.BODY_ERRORS, 404, 409, 507),
+    },
+)
 async def append(session_id: str, body: ToolAppendBody, state: StateDep) -> Response:
     async with state.store.exclusive(session_id) as session:
         if body.sync is not None:
@@ -136,17 +207,31 @@ async def append(session_id: str, body: ToolAppendBody, state: StateDep) -> Resp
             session.sample.append_tool_tokens(np.asarray(body.token_ids, dtype=np.int32), body.text)
         state.metrics.turns.labels("tool", "appended").inc()
         state.metrics.folded_tokens.labels("false").inc(len(body.token_ids))
-        return json_response(session_summary(session))
+    return json_response(session_summary(session))  # once released: not busy
 
 
-@router.get("/sessions/{session_id}/sample")
-async def get_sample(session_id: str, state: StateDep, branch: int | None = None) -> Response:
+@router.get(
+    "/sessions/{session_id}/sample",
+    operation_id="get_sample",
+    response_class=SafetensorsResponse,
+    responses={**doc.answers(200, "the sample, as safetensors", (doc.SAFETENSORS, doc.BINARY)), **doc.errors(404, 422)},
+)
+async def get_sample(session_id: str, state: StateDep, branch: Annotated[int | None, Query(ge=0)] = None) -> Response:
     """The live trajectory's sample, or ``?branch=N`` one of a chat session's (``branches`` in the view)."""
     payload = sample_payload(await state.store.get(session_id), branch)
     return safetensors_response(await state.run_cpu(payload.nbytes, payload.encode))
 
 
-@router.post("/samples")
+@router.post(
+    "/samples",
+    operation_id="get_samples",
+    response_class=SafetensorsResponse,
+    openapi_extra=doc.json_request(SampleBatchRequest, required=True),
+    responses={
+        **doc.answers(200, "the samples, as one safetensors file", (doc.SAFETENSORS, doc.BINARY)),
+        **doc.errors(*doc.BODY_ERRORS, 404),
+    },
+)
 async def get_samples(body: SampleBatchBody, state: StateDep) -> Response:
     """A whole group, streamed from the sessions' own arrays: a group of 64 big samples is never copied whole."""
     payload = group_payload([await state.store.get(sid) for sid in body.session_ids])

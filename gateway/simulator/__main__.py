@@ -82,6 +82,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "texts of the answers; enables text answers in POST /sim/script",
     )
     p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="the model's context length: a request whose prompt + max_new_tokens is longer is a 400, as in SGLang",
+    )
+    p.add_argument(
         "--no-routed-experts",
         action="store_true",
         help="like SGLang without --enable-return-routed-experts: return_routed_experts is silently ignored",
@@ -104,6 +110,7 @@ def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
         eos_token_id=args.eos_token_id,
         enable_routed_experts=not args.no_routed_experts,
         tokenizer=args.tokenizer,
+        context_length=args.context_length,
     )
 
 

@@ -75,6 +75,9 @@ class SimulatorConfig:
     eos_token_id: int | None = None  # None: vocab_size - 1
     enable_routed_experts: bool = True  # False: like SGLang without --enable-return-routed-experts
     tokenizer: str | None = None  # a Hugging Face tokenizer directory: its vocabulary replaces vocab_size and eos
+    # SGLang's context length: a request whose prompt + max_new_tokens is longer is a 400 (None: no such check, only
+    # max_new_tokens <= MAX_NEW_TOKENS)
+    context_length: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -90,6 +93,7 @@ class SimulatorConfig:
                 "eos_token_id must be in [0, vocab_size)",
             ),
             (self.tokenizer is None or bool(self.tokenizer), "tokenizer must be a non-empty path"),
+            (self.context_length is None or self.context_length >= 1, "context_length must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -836,10 +840,20 @@ def _item(
     custom = params.get("custom_params") or {}
     if not isinstance(custom, dict):
         raise BadRequest("sampling_params.custom_params must be an object")
+    max_new_tokens = _int_param(params, "max_new_tokens", config.default_max_new_tokens, 0, MAX_NEW_TOKENS)
+    context = config.context_length
+    if context is not None and len(input_ids) + max_new_tokens > context:
+        # SGLang's own words for it (tokenizer_manager's input-length validation)
+        raise BadRequest(
+            f"Requested token count exceeds the model's maximum context length of {context} tokens. You requested a "
+            f"total of {len(input_ids) + max_new_tokens} tokens: {len(input_ids)} tokens from the input messages and "
+            f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input messages or "
+            "the completion to fit within the limit."
+        )
     return GenItem(
         rid=rid,
         input_ids=input_ids,
-        max_new_tokens=_int_param(params, "max_new_tokens", config.default_max_new_tokens, 0, MAX_NEW_TOKENS),
+        max_new_tokens=max_new_tokens,
         temperature=_temperature(params.get("temperature")),
         stop_token_ids=_stop_ids(params.get("stop_token_ids")),
         sampling_seed=_int_param(params, "sampling_seed", 0, minimum=None),
