@@ -84,13 +84,14 @@ clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
 
 # ---- the sidecar image (docker/) ----------------------------------------------------------------------------------
-# `make image`: wheels built here into docker/.wheels (so the image build needs no network), then the image.
+# `make image`: wheels into docker/.wheels (so the image build needs no network), resolved for the image's own
+# interpreter (docker/wheels.sh), then the image.
 # `make test-docker`: the opt-in Docker tier (not part of `make test`): a Docker engine (scripts/docker_engine.sh
 # installs and starts one on machines without a daemon or Docker Hub), the image, then tests/test_docker.py.
 IMAGE ?= slime-gateway:latest
 LOCAL_BASE_IMAGE ?= local/debian-python:bookworm
 # python:3.11-slim (pulled if need be); on a machine without Docker Hub, the debootstrap-built local base when it
-# exists (scripts/docker_engine.sh). The image's Python minor must match the one that builds the wheels (3.11).
+# exists (scripts/docker_engine.sh).
 BASE_IMAGE ?= $(shell docker image inspect python:3.11-slim >/dev/null 2>&1 && echo python:3.11-slim \
   || { docker image inspect $(LOCAL_BASE_IMAGE) >/dev/null 2>&1 && echo $(LOCAL_BASE_IMAGE); } || echo python:3.11-slim)
 DOCKER_BUILD_FLAGS ?=
@@ -98,9 +99,8 @@ DOCKER_BUILD_FLAGS ?=
 .PHONY: image test-docker
 
 image: install
-	@echo "==> image: building wheels into docker/.wheels with $$($(PY) -V)"
-	@mkdir -p docker/.wheels && rm -f docker/.wheels/slime_gateway-*.whl
-	$(PY) -m pip wheel --quiet --wheel-dir docker/.wheels '.[chat,redis]'
+	@# Resolved by the image's own python3, whose markers may differ from the host's (docker/wheels.sh says why).
+	bash docker/wheels.sh $(PY) $(BASE_IMAGE) docker/.wheels
 	@echo "==> image: docker build $(IMAGE) from base $(BASE_IMAGE)"
 	DOCKER_BUILDKIT=0 docker build --network host --build-arg BASE_IMAGE=$(BASE_IMAGE) $(DOCKER_BUILD_FLAGS) \
 	  -f docker/Dockerfile -t $(IMAGE) docker

@@ -14,13 +14,18 @@
 #   neither the network nor the host's CA certificates, and with the classic builder (DOCKER_BUILDKIT=0), since
 #   Debian's docker.io comes without BuildKit/buildx.
 #
+# - The compose file's `redis` profile runs `redis:7` from Docker Hub; where it cannot be pulled, LOCAL_REDIS_IMAGE
+#   is built from the base image with Debian's redis-server package (7.0, what the tests run against too).
+#
 #   scripts/docker_engine.sh [up]     install docker.io/docker-compose/debootstrap if missing, start dockerd if
-#                                     `docker info` does not answer, build + import the base image if missing
+#                                     `docker info` does not answer, build + import the base image if missing,
+#                                     build the Redis image if redis:7 is neither here nor pullable
 #   scripts/docker_engine.sh status   say what is there
 #   scripts/docker_engine.sh stop     stop the dockerd this script started (by its PID file)
 #
 # Environment:
 #   LOCAL_BASE_IMAGE   tag of the Debian-based Python image built with debootstrap (local/debian-python:bookworm)
+#   LOCAL_REDIS_IMAGE  tag of the Redis image built from it when redis:7 cannot be had (local/redis:7)
 #   DEBIAN_SUITE       suite for debootstrap (default: the host's VERSION_CODENAME, e.g. bookworm)
 #   DEBIAN_MIRROR      mirror for debootstrap (default: the one apt already uses, read from /etc/apt/sources.list*)
 #   DOCKER_STATE_DIR   where dockerd's log and PID file go (/tmp/slime-gateway-docker)
@@ -28,6 +33,8 @@
 set -euo pipefail
 
 LOCAL_BASE_IMAGE=${LOCAL_BASE_IMAGE:-local/debian-python:bookworm}
+LOCAL_REDIS_IMAGE=${LOCAL_REDIS_IMAGE:-local/redis:7}
+OFFICIAL_REDIS_IMAGE=redis:7
 DOCKER_STATE_DIR=${DOCKER_STATE_DIR:-/tmp/slime-gateway-docker}
 DOCKERD_LOG=$DOCKER_STATE_DIR/dockerd.log
 DOCKERD_PID=$DOCKER_STATE_DIR/dockerd.pid
@@ -153,6 +160,32 @@ build_base_image() {
        "$(docker run --rm --network host "$LOCAL_BASE_IMAGE" python3 --version)"
 }
 
+build_redis_image() {
+  local image
+  for image in "$OFFICIAL_REDIS_IMAGE" "$LOCAL_REDIS_IMAGE"; do
+    if docker image inspect "$image" >/dev/null 2>&1; then
+      step "redis image: $image already there"
+      return
+    fi
+  done
+  if docker pull "$OFFICIAL_REDIS_IMAGE" >/dev/null 2>&1; then
+    step "redis image: pulled $OFFICIAL_REDIS_IMAGE"
+    return
+  fi
+  step "redis image: $OFFICIAL_REDIS_IMAGE cannot be pulled; building $LOCAL_REDIS_IMAGE from $LOCAL_BASE_IMAGE (Debian's redis-server)"
+  # The imported base keeps debootstrap's /etc/apt/sources.list (its mirror); its package lists were removed.
+  DOCKER_BUILDKIT=0 docker build --quiet --network host --tag "$LOCAL_REDIS_IMAGE" - >/dev/null <<DOCKERFILE
+FROM $LOCAL_BASE_IMAGE
+RUN apt-get update -qq \\
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null \\
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb
+USER redis
+WORKDIR /var/lib/redis
+CMD ["redis-server"]
+DOCKERFILE
+  info "built: $(docker run --rm --network host "$LOCAL_REDIS_IMAGE" redis-server --version | cut -d' ' -f1-3)"
+}
+
 status() {
   if engine_answers; then
     echo "engine: up ($(docker version -f '{{.Server.Version}}' 2>/dev/null))"
@@ -165,6 +198,9 @@ status() {
   else
     echo "base image: $LOCAL_BASE_IMAGE missing (or engine down)"
   fi
+  for image in "$OFFICIAL_REDIS_IMAGE" "$LOCAL_REDIS_IMAGE"; do
+    if engine_answers && docker image inspect "$image" >/dev/null 2>&1; then echo "redis image: $image"; fi
+  done
 }
 
 stop_engine() {
@@ -190,6 +226,7 @@ case "${1:-up}" in
     install_packages
     start_engine
     build_base_image
+    build_redis_image
     ;;
   status) status ;;
   stop) stop_engine ;;

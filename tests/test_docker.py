@@ -12,10 +12,12 @@ gateway on a free host port.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -37,6 +39,9 @@ IMAGE = os.environ.get("GATEWAY_IMAGE", "slime-gateway:latest")
 # ROUTER_IMAGE: the official base if it is here, else the debootstrap-built one (scripts/docker_engine.sh).
 OFFICIAL_BASE_IMAGE = "python:3.11-slim"
 LOCAL_BASE_IMAGE = os.environ.get("LOCAL_BASE_IMAGE", "local/debian-python:bookworm")
+# The compose file's Redis: Docker Hub's, or the one scripts/docker_engine.sh builds where Hub cannot be reached.
+OFFICIAL_REDIS_IMAGE = "redis:7"
+LOCAL_REDIS_IMAGE = os.environ.get("LOCAL_REDIS_IMAGE", "local/redis:7")
 COMPOSE_FILE = REPO_ROOT / "docker" / "compose.yaml"
 HEALTHY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10  # `docker stop -t`: SIGTERM, then SIGKILL after this many seconds
@@ -92,8 +97,11 @@ class Container:
 
 
 @contextmanager
-def run_gateway_container(upstream_url: str, *, health_interval: str = "1s") -> Iterator[Container]:
-    """`docker run` the image as the sidecar (host network, a free port), wait until healthy, remove it after."""
+def run_gateway_container(
+    upstream_url: str, *, health_interval: str = "1s", extra: Sequence[str] = ()
+) -> Iterator[Container]:
+    """`docker run` the image as the sidecar (host network, a free port), wait until healthy, remove it after.
+    ``extra``: more `docker run` options (volumes, environment)."""
     container = Container(f"slime-gw-test-{uuid.uuid4().hex[:8]}", free_port())
     docker(
         "run", "--detach", "--name", container.name, "--network", "host",
@@ -102,6 +110,7 @@ def run_gateway_container(upstream_url: str, *, health_interval: str = "1s") -> 
         "--env", f"GATEWAY_API_KEY={API_KEY}",
         # A short health interval for the test (the image's default is 10 s).
         "--health-interval", health_interval, "--health-timeout", "2s", "--health-retries", "3",
+        *extra,
         IMAGE,
     )  # fmt: skip
     try:
@@ -207,6 +216,22 @@ def test_image_has_no_torch_but_has_the_gateway() -> None:
     assert ok.returncode == 0, ok.stderr
 
 
+def test_image_has_the_chat_and_redis_extras() -> None:
+    """The chat extra (transformers' tokenizers and templates, its model code trimmed: no torch to run it) and the
+    redis extra (with async-timeout, which redis needs on the image's Python below 3.11.3) import in the image."""
+    code = (
+        "import sys, jinja2, redis, hiredis, tokenizers, transformers\n"
+        "from transformers import AutoTokenizer\n"
+        "from transformers.models.qwen2 import tokenization_qwen2\n"
+        "from transformers.models.llama import tokenization_llama\n"
+        "if sys.version_info < (3, 11, 3): import async_timeout\n"
+        "print(sys.version.split()[0], transformers.__version__, redis.__version__)"
+    )
+    run = docker("run", "--rm", "--network", "host", "--entrypoint", "python", IMAGE, "-c", code, check=False)
+    assert run.returncode == 0, run.stderr
+    log(f"image python / transformers / redis: {run.stdout.strip()}")
+
+
 def test_missing_upstream_url_exits_with_a_message() -> None:
     result = docker("run", "--rm", "--network", "host", IMAGE, check=False)
     assert result.returncode != 0
@@ -281,6 +306,29 @@ async def test_multi_turn_session_with_the_sdk(sidecar: Container) -> None:
         await session.delete()
 
 
+def test_chat_completion_with_a_mounted_tokenizer(chat_sim: Service, tokenizer_dir: Path) -> None:
+    """The chat extra at work: the tokenizer directory mounted read-only (readable by the image's uid 10001), an
+    OpenAI chat completion over a session, answered from the simulator speaking that tokenizer."""
+    mounted = Path(tempfile.mkdtemp(prefix="slime-gw-tokenizer-"))
+    try:
+        shutil.copytree(tokenizer_dir, mounted, dirs_exist_ok=True)
+        for path in [mounted, *mounted.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        volume = ["--volume", f"{mounted}:/tokenizer:ro", "--env", "GATEWAY_TOKENIZER=/tokenizer"]
+        with run_gateway_container(chat_sim.url, extra=volume) as container:
+            gw = container.url
+            assert curl("POST", f"{gw}/v1/sessions", {"session_id": "chat-0"}).status == 201
+            body = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hello there"}]}
+            answer = curl("POST", f"{gw}/v1/sessions/chat-0/chat/completions", body)
+            assert answer.status == 200, answer.body
+            assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+            view = curl("GET", f"{gw}/v1/sessions/chat-0").json()
+            assert view["prompt_length"] > 0 and view["response_length"] > 0
+            log(f"chat in the image: prompt {view['prompt_length']} tokens, answer {view['response_length']}")
+    finally:
+        shutil.rmtree(mounted, ignore_errors=True)
+
+
 # ---- graceful shutdown --------------------------------------------------------------------------------------
 def test_sigterm_lets_the_turn_in_flight_finish(simulator: Service) -> None:
     """`docker stop` (SIGTERM) while a turn is running: the turn still gets its full answer, exit code 0."""
@@ -338,7 +386,9 @@ def _compose(project: str, env: dict[str, str], *args: str, timeout: float = 300
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("profiles", [(), ("demo",), ("gpu",)], ids=["sidecar-only", "demo", "gpu"])
+@pytest.mark.parametrize(
+    "profiles", [(), ("demo",), ("gpu",), ("redis",)], ids=["sidecar-only", "demo", "gpu", "redis"]
+)
 def test_compose_file_is_valid(profiles: Sequence[str]) -> None:
     if compose_command() is None:
         pytest.skip("no docker compose / docker-compose")
@@ -385,3 +435,76 @@ def test_compose_demo_profile_gateway_router_simulator() -> None:
         raise
     finally:
         _compose(project, env, "--profile", "demo", "down", "--timeout", "10")
+
+
+def redis_image() -> str:
+    """The compose file's Redis: REDIS_IMAGE, else redis:7 if it is here, else the one scripts/docker_engine.sh
+    builds from Debian's redis-server where Docker Hub cannot be reached."""
+    if chosen := os.environ.get("REDIS_IMAGE"):
+        return chosen
+    for candidate in (OFFICIAL_REDIS_IMAGE, LOCAL_REDIS_IMAGE):
+        if docker("image", "inspect", candidate, check=False).returncode == 0:
+            return candidate
+    return OFFICIAL_REDIS_IMAGE  # compose pulls it
+
+
+def test_compose_redis_profile_session_survives_a_gateway_restart(simulator: Service, tmp_path: Path) -> None:
+    """`--profile redis` with GATEWAY_STORE on it: a session, its turns and its sample outlive the gateway
+    container (restarted: a new process, a new instance id) and the next turn continues it."""
+    if compose_command() is None:
+        pytest.skip("no docker compose / docker-compose")
+    ports = {name: free_port() for name in ("GATEWAY_PORT", "REDIS_PORT")}
+    env = {name: str(port) for name, port in ports.items()}
+    env |= {
+        "GATEWAY_IMAGE": IMAGE,
+        "REDIS_IMAGE": redis_image(),
+        "GATEWAY_UPSTREAM_URL": simulator.url,
+        "GATEWAY_API_KEY": API_KEY,
+        "GATEWAY_STORE": f"redis://127.0.0.1:{ports['REDIS_PORT']}/0",
+    }
+    project = f"slime-gw-redis-{uuid.uuid4().hex[:6]}"
+    gateway = f"http://127.0.0.1:{ports['GATEWAY_PORT']}"
+    compose = functools.partial(_compose, project, env, "--profile", "redis")
+    try:
+        up = compose("up", "--detach")
+        assert up.returncode == 0, up.stderr
+        ids = compose("ps", "--quiet").stdout.split()
+        assert len(ids) == 2, f"expected the gateway and redis, got {ids}"
+        for container_id in ids:
+            wait_container_healthy(container_id)
+        gateway_id = compose("ps", "--quiet", "gateway").stdout.strip()
+        first_instance = curl("GET", f"{gateway}/health", key=None).json()["instance_id"]
+
+        moe = {"num_layers": SIM_LAYERS, "moe_router_topk": SIM_TOPK}
+        created = curl("POST", f"{gateway}/v1/sessions", {"prompt_ids": [1, 2, 3], "session_id": "kept", **moe})
+        assert created.status == 201, created.body
+        turn = curl("POST", f"{gateway}/v1/sessions/kept/generate", {"sampling_params": {"max_new_tokens": 4}})
+        assert turn.status == 200, turn.body
+        before = curl("GET", f"{gateway}/v1/sessions/kept?full=true").json()
+        sample_before = curl("GET", f"{gateway}/v1/sessions/kept/sample", output=tmp_path / "before.safetensors")
+
+        started = time.monotonic()
+        restart = compose("restart", "gateway")
+        assert restart.returncode == 0, restart.stderr
+        wait_container_healthy(gateway_id)
+        log(f"compose redis ({project}, {env['REDIS_IMAGE']}): gateway restarted, healthy after "
+            f"{time.monotonic() - started:.1f} s")  # fmt: skip
+        assert curl("GET", f"{gateway}/health", key=None).json()["instance_id"] != first_instance  # a new process
+
+        after = curl("GET", f"{gateway}/v1/sessions/kept?full=true").json()
+        # Every array, the turn log and the text as they were (not the buffers' spare room, nor the last touch).
+        volatile = ("stored_bytes", "updated_at")
+        assert {k: v for k, v in after.items() if k not in volatile} == {
+            k: v for k, v in before.items() if k not in volatile
+        }
+        sample_after = curl("GET", f"{gateway}/v1/sessions/kept/sample", output=tmp_path / "after.safetensors")
+        assert sample_after.body == sample_before.body
+        turn = curl("POST", f"{gateway}/v1/sessions/kept/generate", {"sampling_params": {"max_new_tokens": 4}})
+        assert turn.status == 200, turn.body
+        assert turn.json()["total_tokens"] == before["total_tokens"] + len(turn.json()["new_token_ids"])
+        assert turn.json()["routed_experts_rows"] == turn.json()["total_tokens"] - 1
+    except BaseException:
+        print(compose("logs", "--no-color", "--tail", "50").stdout)
+        raise
+    finally:
+        compose("down", "--timeout", "10")
