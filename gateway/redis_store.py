@@ -296,7 +296,6 @@ class RedisSessionStore(SessionStore):
     ) -> None:
         super().__init__(max_sessions, max_session_tokens=max_session_tokens, max_stored_bytes=None)
         self._url = url
-        self._cluster = url.split("://", 1)[0].endswith("+cluster")
         self._keys = Keys(prefix)
         self._lease_ms = int(lease_s * 1000)
         self._instance = instance_id
