@@ -411,8 +411,7 @@ class Deployment:
     """A Redis of a test's own (one server, or a 3-master cluster) in ``directory``, stopped and started again on the
     same ports: with persistence in ``extra``, it comes back with its data."""
 
-    def __init__(self, kind: str, directory: Path, extra: tuple[str, ...]) -> None:
-        self.kind = kind
+    def __init__(self, directory: Path, extra: tuple[str, ...]) -> None:
         self.directory = directory
         self.extra = extra
         self.port = free_port()
@@ -454,7 +453,7 @@ class Deployment:
 
 @contextmanager
 def deployment(kind: str, directory: Path, *extra: str) -> Iterator[Deployment]:
-    deployed = Deployment(kind, directory, extra)
+    deployed = Deployment(directory, extra)
     if kind == "cluster":
         with run_redis_cluster(directory, *extra) as nodes:
             deployed.nodes = nodes
