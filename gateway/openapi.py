@@ -14,8 +14,18 @@ passthrough routes are plain Starlette routes (absent). So the routes describe t
 - the SGLang passthrough routes (``PASSTHROUGH_PATHS``), their bodies and answers the upstream's;
 - the API key scheme when the gateway has keys (``/health``, and ``/metrics`` unless protected, need none).
 
-The chat routes describe themselves the same way (``gateway.routes.chat`` passes its request models and statuses
-to ``json_request`` and ``errors``).
+A route describes itself with them, e.g. (the chat routes' errors, in each API's own shape, also fit ``ErrorBody``:
+an ``error`` object with ``type`` and ``message``)::
+
+    @router.post(
+        "/chat/completions",
+        openapi_extra=doc.json_request(ChatCompletionRequest, required=True),
+        responses={
+            **doc.answers(200, "the completion, or with stream its chunks", (doc.JSON, doc.ref(ChatCompletion)),
+                          (doc.SSE, doc.SSE_EVENT)),
+            **doc.errors(*doc.BODY_ERRORS, *doc.UPSTREAM_ERRORS, 404, 409, 501),
+        },
+    )
 """
 
 from __future__ import annotations
@@ -222,7 +232,7 @@ def component(target: str, name: str, **keywords: Any) -> dict[str, Any]:
 
 BINARY = {"type": "string", "format": "binary"}
 # One server-sent event (tools that read the stream check each against it): a JSON object in ``data``, or the last
-# event's ``[DONE]``.
+# event's ``[DONE]`` (the v1 turns' and OpenAI's streams end with it, Anthropic's do not).
 SSE_EVENT = {
     "type": "object",
     "required": ["data"],
@@ -233,11 +243,7 @@ SSE_EVENT = {
                 {
                     "type": "string",
                     "contentMediaType": JSON,
-                    "contentSchema": {
-                        "type": "object",
-                        "required": ["type"],
-                        "properties": {"type": {"type": "string"}},
-                    },
+                    "contentSchema": {"type": "object"},
                 },
             ]
         },

@@ -364,7 +364,8 @@ async def test_unknown_path_is_a_json_404(gw: httpx.AsyncClient) -> None:
 @pytest.mark.parametrize(
     ("method", "path", "allow"),
     [
-        ("PUT", "/v1/sessions/abc", ["GET", "DELETE"]),  # two routes share the path: both methods are listed
+        # routes share the path (the view, the delete, the chat clients' HEAD probe): every method is listed
+        ("PUT", "/v1/sessions/abc", ["GET", "HEAD", "DELETE"]),
         ("DELETE", "/v1/sessions", ["GET", "POST"]),
         ("GET", "/generate", ["POST"]),  # a passthrough route
         ("POST", "/health", ["GET"]),
