@@ -34,6 +34,7 @@ class ReasoningFormat:
 
     def split(self, text: str, *, inside: bool) -> tuple[str | None, str]:
         """``(reasoning, content)``; reasoning None when the completion has none."""
+        inside = inside or self.always_inside
         stripped = text.lstrip()
         if stripped.startswith(self.start):
             text, inside = stripped[len(self.start) :], True
@@ -59,7 +60,8 @@ class ReasoningStream:
 
     def __init__(self, fmt: ReasoningFormat, *, inside: bool) -> None:
         self.fmt = fmt
-        self._mode: Literal["undecided", "reasoning", "content"] = "reasoning" if inside else "undecided"
+        self._inside = inside or fmt.always_inside  # without an opening tag, the text is reasoning
+        self._mode: Literal["undecided", "reasoning", "content"] = "undecided"
         self._buffer = ""  # undecided: the text so far; reasoning: the reasoning so far (after the opening tag)
         self._reasoning_sent = 0  # characters of the stripped reasoning sent
         self._content_started = False  # content after </think>: leading whitespace is dropped until this is set
@@ -72,11 +74,14 @@ class ReasoningStream:
             head = self._buffer.lstrip()
             if not head or (self.fmt.start.startswith(head) and head != self.fmt.start):
                 return []  # could still become the opening tag
-            if not head.startswith(self.fmt.start):
+            if head.startswith(self.fmt.start):
+                self._mode, self._buffer = "reasoning", head[len(self.fmt.start) :]
+            elif self._inside:
+                self._mode = "reasoning"
+            else:
                 self._mode, self._content_started = "content", True
                 text, self._buffer = self._buffer, ""
                 return [("content", text)]
-            self._mode, self._buffer = "reasoning", head[len(self.fmt.start) :]
         return self._reasoning()
 
     def _reasoning(self) -> list[tuple[Channel, str]]:
