@@ -1,12 +1,13 @@
 """Session store: the in-memory backend (one gateway replica), and the API the Redis backend
 (``gateway.redis_store``) implements too.
 
-Every call that may reach a shared backend is async: ``create``, ``get``, ``delete``, ``acquire`` / ``release`` (a
-turn or append holds the session exclusively; ``release`` keeps what it changed), ``list_sessions`` and
-``expire_idle``. The limit checks are about this process and stay synchronous.
+Every call that may reach a shared backend is async: ``create``, ``get``, ``delete``, ``acquire`` / ``hold`` /
+``start_branch`` / ``release`` (a turn or append holds one branch of a session, ``Trajectory``; ``release`` keeps
+what it changed), ``list_sessions`` and ``expire_idle``. The limit checks are about this process and stay
+synchronous.
 
 The store enforces the session limits (count, tokens per session, bytes held) and keeps the numbers the metrics
-report (sessions, sessions with a turn running, bytes held) as counters updated on every change, so that neither a
+report (sessions, turns running, bytes held) as counters updated on every change, so that neither a
 limit check nor a scrape ever walks the sessions.
 """
 
@@ -44,28 +45,78 @@ class RunningTurn(Protocol):
     async def wait(self, timeout: float) -> bool: ...
 
 
-@dataclass
-class Session:
-    session_id: str
+BranchCause = str  # why a branch exists: "edited_history", "new_root", "rewrite" (None: the session's first)
+
+
+@dataclass(eq=False)
+class Branch:
+    """One trajectory of a session, its own training sample. A token-level session has one; a chat session grows a
+    tree (``gateway.chat.conversation``): a request that does not extend any branch's record forks a new branch from
+    the one it shares the longest prefix with (``parent``, ``fork_token`` leading tokens in common), or starts a new
+    root. A turn holds the branch it runs on (``busy``), so turns on different branches run concurrently."""
+
     sample: SessionSample
-    metadata: dict[str, Any] = field(default_factory=dict)
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    record: Any = None  # a chat branch's message record (``gateway.chat.conversation.ChatRecord``), else None
+    parent: Branch | None = None
+    fork_token: int = 0  # leading tokens shared with the parent
+    first_difference: int | None = None  # the first message of the request that forked it that differs from the parent
+    cause: BranchCause | None = None
+    model: str | None = None  # the model name of the request that started it
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     busy: bool = False
     running: RunningTurn | None = None
+
+    @property
+    def turns(self) -> int:
+        """Turns on this branch (model turns and appended tokens: the turn log's entries)."""
+        return len(self.sample.turns)
+
+    def touch(self) -> None:
+        self.updated_at = time.time()
+
+
+@dataclass
+class Session:
+    session_id: str
+    branches: list[Branch]  # [0]: the root, the token API's trajectory; the others in the order they were started
+    metadata: dict[str, Any] = field(default_factory=dict)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
     counted_bytes: int = 0  # stored_bytes when the store last counted it (see SessionStore.growing)
-    # Earlier trajectories of this session, finished: a chat history that was edited forks a new branch
-    # (``sample``) and keeps the old one here (``gateway.chat``). Each is its own training sample.
-    branches: list[SessionSample] = field(default_factory=list)
-    chat: Any = None  # a chat session's message record (``gateway.chat.conversation.ChatRecord``), else None
+
+    @classmethod
+    def of(cls, session_id: str, sample: SessionSample, **fields: Any) -> Session:
+        """A session of one (root) branch holding ``sample``."""
+        return cls(session_id=session_id, branches=[Branch(sample)], **fields)
+
+    @property
+    def sample(self) -> SessionSample:
+        """The root branch's sample: a token-level session's only one."""
+        return self.branches[0].sample
+
+    @property
+    def root(self) -> Trajectory:
+        return Trajectory(self, self.branches[0])
+
+    @property
+    def busy(self) -> bool:
+        return any(branch.busy for branch in self.branches)
+
+    @property
+    def is_chat(self) -> bool:
+        return any(branch.record is not None for branch in self.branches)
 
     @property
     def stored_bytes(self) -> int:
-        return self.sample.stored_bytes + sum(branch.stored_bytes for branch in self.branches)
+        return sum(branch.sample.stored_bytes for branch in self.branches)
+
+    def index(self, branch: Branch) -> int:
+        return next(i for i, known in enumerate(self.branches) if known is branch)
 
     def summary(self) -> dict[str, Any]:
-        """What ``GET /v1/sessions`` lists and every view starts with."""
+        """What ``GET /v1/sessions`` lists and every view starts with: the root branch, and how many there are."""
         sample = self.sample
         return {
             "session_id": self.session_id,
@@ -75,7 +126,7 @@ class Session:
             "response_length": sample.response_length,
             "total_tokens": len(sample.tokens),
             "turns": len(sample.turns),
-            "branch": len(self.branches),  # the live trajectory's index (0 until a chat history is edited)
+            "branch_count": len(self.branches),
             "created_at": self.created_at,
             "updated_at": self.updated_at,
             "last_error": last_error(self.sample),
@@ -83,18 +134,65 @@ class Session:
 
     def listing(self) -> dict[str, Any]:
         """A row of the session inspector's list (``SessionStore.list_page``)."""
-        return self.summary() | {"branches": len(self.branches) + 1, "metadata": self.metadata}
+        return self.summary() | {"branches": len(self.branches), "metadata": self.metadata}
 
     @property
     def samples(self) -> list[SessionSample]:
-        """Every trajectory, as the sample fetches number them: the finished branches in order, the live one last."""
-        return [*self.branches, self.sample]
+        """Every trajectory, as the sample fetches number them: the branches in the order they were started."""
+        return [branch.sample for branch in self.branches]
+
+    def branch_meta(self, branch: Branch) -> dict[str, Any]:
+        """Where a branch stands in the tree: what the view's ``branches[i]`` and its sample's metadata carry."""
+        return {
+            "branch": self.index(branch),
+            "parent": None if branch.parent is None else self.index(branch.parent),
+            "fork_token": branch.fork_token,
+            "first_difference": branch.first_difference,
+            "cause": branch.cause,
+            "model": branch.model,
+            "created_at": branch.created_at,
+            "updated_at": branch.updated_at,
+            "turns": branch.turns,
+        }
 
     def touch(self) -> None:
         self.updated_at = time.time()
 
+
+@dataclass(eq=False)
+class Trajectory:
+    """One branch of a session, as a turn runs on it (``gateway.turns``): the sample it folds into, the session's
+    id and sampling defaults, the branch's running turn."""
+
+    session: Session
+    branch: Branch
+
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id
+
+    @property
+    def sample(self) -> SessionSample:
+        return self.branch.sample
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        return self.session.sampling_defaults
+
+    @property
+    def index(self) -> int:
+        return self.session.index(self.branch)
+
+    @property
+    def running(self) -> RunningTurn | None:
+        return self.branch.running
+
+    @running.setter
+    def running(self, turn: RunningTurn | None) -> None:
+        self.branch.running = turn
+
     def check_sync(self, total_tokens: int, last_tokens: list[int]) -> None:
-        """Raise ``SessionMismatch`` unless the session holds ``total_tokens`` tokens ending with ``last_tokens``
+        """Raise ``SessionMismatch`` unless the branch holds ``total_tokens`` tokens ending with ``last_tokens``
         (what a caller keeping its own copy believes), naming what it does hold."""
         tokens = self.sample.tokens.view()
         if len(tokens) == total_tokens and tokens[len(tokens) - len(last_tokens) :].tolist() == last_tokens:
@@ -234,11 +332,8 @@ class SessionStore:
         """A new session, checked against the limits of this process; not stored yet."""
         self._check_tokens(len(sample.tokens), "the prompt has")
         self._check_store_room(sample.stored_bytes)
-        return Session(
-            session_id=session_id or uuid.uuid4().hex,
-            sample=sample,
-            metadata=metadata or {},
-            sampling_defaults=sampling_defaults or {},
+        return Session.of(
+            session_id or uuid.uuid4().hex, sample, metadata=metadata or {}, sampling_defaults=sampling_defaults or {}
         )
 
     def _check_session_count(self, held: int) -> None:
@@ -274,36 +369,65 @@ class SessionStore:
             raise SessionBusy(f"session {session_id!r} has a turn running; abort or wait for it first")
         self._drop(session)
 
-    async def acquire(self, session_id: str) -> Session:
-        """Hold the session for one turn or append: a second one on the same session is a 409."""
-        session = self.local(session_id)
-        if session.busy:
-            raise SessionBusy(f"session {session_id!r} already has a turn running", session_id=session_id)
-        session.busy = True
+    async def acquire(self, session_id: str) -> Trajectory:
+        """Hold the session's root branch for one token-level turn or append: a second one is a 409."""
+        session = await self.get(session_id)
+        return await self.hold(session, session.branches[0])
+
+    async def hold(self, session: Session, branch: Branch) -> Trajectory:
+        """Hold one branch of ``session`` (as ``get`` returned it) for a turn: another turn on the same branch is a
+        409; turns on other branches go on. A shared backend checks that the branch is still as ``session`` shows it
+        (``SessionBusy`` otherwise: it changed meanwhile, retry)."""
+        if branch.busy:
+            raise SessionBusy(
+                f"session {session.session_id!r} already has a turn running on branch {session.index(branch)}",
+                session_id=session.session_id,
+                branch=session.index(branch),
+            )
+        branch.busy = True
         self._active += 1
-        return session
+        return Trajectory(session, branch)
 
-    async def release(self, session: Session) -> None:
+    async def start_branch(self, session: Session, branch: Branch) -> Trajectory:
+        """Add ``branch`` to the session's tree and hold it for the turn that starts it."""
+        session.branches.append(branch)
+        try:
+            trajectory = await self.hold(session, branch)
+        except BaseException:
+            session.branches.remove(branch)
+            raise
+        self.recount(session)
+        return trajectory
+
+    def drop_branch(self, trajectory: Trajectory) -> None:
+        """Undo ``start_branch`` (the turn that started the branch failed), before ``release``."""
+        session = trajectory.session
+        if trajectory.branch in session.branches:
+            session.branches.remove(trajectory.branch)
+        self.recount(session)
+
+    async def release(self, trajectory: Trajectory) -> None:
         """End a turn or append: what it changed is kept (a shared backend: written, or ``StoreUnavailable``)."""
-        self._unhold(session)
+        self._unhold(trajectory)
 
-    def _unhold(self, session: Session) -> None:
-        if session.busy:
+    def _unhold(self, trajectory: Trajectory) -> None:
+        branch = trajectory.branch
+        if branch.busy:
             self._active -= 1
-        session.busy = False
-        session.running = None
-        session.touch()
+        branch.busy = False
+        branch.running = None
+        trajectory.session.touch()  # activity (the idle sweep); the branch's updated_at moves only when it changes
 
     @asynccontextmanager
-    async def exclusive(self, session_id: str) -> AsyncIterator[Session]:
-        session = await self.acquire(session_id)
+    async def exclusive(self, session_id: str) -> AsyncIterator[Trajectory]:
+        trajectory = await self.acquire(session_id)
         try:
-            yield session
+            yield trajectory
         finally:
-            await self.release(session)
+            await self.release(trajectory)
 
     def running_turns(self) -> list[RunningTurn]:
-        return [s.running for s in self._sessions.values() if s.running is not None]
+        return [b.running for s in self._sessions.values() for b in s.branches if b.running is not None]
 
     async def expire_idle(self, ttl_s: float, now: float | None = None) -> list[str]:
         """Drop sessions untouched for ``ttl_s`` (abandoned rollouts); a session with a turn running stays."""
@@ -314,32 +438,32 @@ class SessionStore:
         return [s.session_id for s in expired]
 
     # ---- limits and counters -------------------------------------------------------------------------------------
-    def check_growth(self, session: Session, new_tokens: int = 1) -> None:
+    def check_growth(self, trajectory: Trajectory, new_tokens: int = 1) -> None:
         """Admit a model turn (``new_tokens=1``: room for at least one token) or an append of ``new_tokens`` before
         anything is sent or changed: SessionTooLong past max_session_tokens, StoreFull once the sessions hold
         max_stored_bytes. A turn admitted here is checked again on its answer (``growing``)."""
-        self.check_room(session, new_tokens)
+        self.check_room(trajectory, new_tokens)
         self._check_store_room(0)
 
-    def check_room(self, session: Session, new_tokens: int) -> None:
-        """SessionTooLong if ``new_tokens`` more would take the session past max_session_tokens. The fold path calls
+    def check_room(self, trajectory: Trajectory, new_tokens: int) -> None:
+        """SessionTooLong if ``new_tokens`` more would take the branch past max_session_tokens. The fold path calls
         this (through ``growing``) on the upstream's answer, and a streamed turn on each delta, before folding."""
-        self._check_tokens(len(session.sample.tokens) + new_tokens, "the session would hold")
+        self._check_tokens(len(trajectory.sample.tokens) + new_tokens, "the session would hold")
 
     @contextmanager
-    def growing(self, session: Session, new_tokens: int) -> Iterator[None]:
-        """Wrap one fold of ``new_tokens`` into ``session``: refused first (``check_room``) if it would pass the
+    def growing(self, trajectory: Trajectory, new_tokens: int) -> Iterator[None]:
+        """Wrap one fold of ``new_tokens`` into a branch: refused first (``check_room``) if it would pass the
         token limit, then the byte count is brought up to date, whether the fold completed or not.
 
         The byte limit is not checked here: a turn admitted by ``check_growth`` is folded even if other sessions
         filled the store meanwhile (refusing it then would throw away the upstream's work, or an aborted turn's
         tokens); the overshoot is bounded by the turns in flight.
         """
-        self.check_room(session, new_tokens)
+        self.check_room(trajectory, new_tokens)
         try:
             yield
         finally:
-            self.recount(session)
+            self.recount(trajectory.session)
 
     @property
     def stored_bytes(self) -> int:
@@ -348,7 +472,7 @@ class SessionStore:
 
     @property
     def active(self) -> int:
-        """Sessions with a turn or append running, O(1)."""
+        """Turns or appends running (one per busy branch), O(1)."""
         return self._active
 
     def _check_tokens(self, total: int, what: str) -> None:

@@ -34,7 +34,7 @@ from gateway.errors import GatewayError, LimitExceeded, SessionConflict, Upstrea
 from gateway.sample import ModelTurnPlan
 from gateway.schemas import TurnCreate
 from gateway.state import GatewayState
-from gateway.store import Session
+from gateway.store import Trajectory
 from slime_wire.http1 import Body, Response
 from slime_wire.sse import SSEDecoder, SSEError
 
@@ -60,14 +60,14 @@ class TurnPlan:
     prompt_length: int
 
 
-def plan_turn(session: Session, request: TurnCreate, *, incremental_routing: bool = True) -> TurnPlan:
+def plan_turn(trajectory: Trajectory, request: TurnCreate, *, incremental_routing: bool = True) -> TurnPlan:
     if request.sync is not None:
-        session.check_sync(request.sync.total_tokens, request.sync.last_tokens)
-    sample = session.sample
+        trajectory.check_sync(request.sync.total_tokens, request.sync.last_tokens)
+    sample = trajectory.sample
     # What the session is like now refuses these (valid) bodies: 409, a conflict with the session's state.
     if not len(sample.tokens):
         raise SessionConflict(
-            f"session {session.session_id!r} has no prompt yet: a session created without prompt_ids is a chat "
+            f"session {trajectory.session_id!r} has no prompt yet: a session created without prompt_ids is a chat "
             "session, whose first chat request renders its prompt"
         )
     want_routing = sample.moe is not None if request.return_routed_experts is None else request.return_routed_experts
@@ -75,7 +75,7 @@ def plan_turn(session: Session, request: TurnCreate, *, incremental_routing: boo
         raise SessionConflict(
             "return_routed_experts needs the session's MoE shape: create it with num_layers and moe_router_topk"
         )
-    sampling_params = session.sampling_defaults | request.sampling_params
+    sampling_params = trajectory.sampling_defaults | request.sampling_params
     custom = dict(sampling_params.get("custom_params") or {})
     # Once a session keeps top-p spans, every model turn must bring them (slime's fold requires it).
     want_top_p = bool(custom.get(TOP_P_FLAG)) or sample.top_p_active
@@ -84,7 +84,7 @@ def plan_turn(session: Session, request: TurnCreate, *, incremental_routing: boo
         custom[TOP_P_FLAG] = True
         sampling_params = sampling_params | {"custom_params": custom}
     return TurnPlan(
-        rid=f"{session.session_id}-{len(sample.turns)}-{uuid.uuid4().hex[:8]}",
+        rid=f"{trajectory.session_id}-{len(sample.turns)}-{uuid.uuid4().hex[:8]}",
         want_routing=want_routing,
         want_top_p=want_top_p,
         routing_start_len=sample.routing_rows if want_routing and incremental_routing else 0,
@@ -93,9 +93,9 @@ def plan_turn(session: Session, request: TurnCreate, *, incremental_routing: boo
     )
 
 
-def upstream_payload(session: Session, plan: TurnPlan, *, stream: bool = False) -> bytes:
+def upstream_payload(trajectory: Trajectory, plan: TurnPlan, *, stream: bool = False) -> bytes:
     payload: dict[str, Any] = {
-        "input_ids": session.sample.tokens.view(),
+        "input_ids": trajectory.sample.tokens.view(),
         "sampling_params": plan.sampling_params,
         "return_logprob": True,
         "rid": plan.rid,
@@ -109,12 +109,12 @@ def upstream_payload(session: Session, plan: TurnPlan, *, stream: bool = False) 
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def turn_summary(session: Session, plan: TurnPlan, model_turn: ModelTurnPlan) -> dict[str, Any]:
+def turn_summary(trajectory: Trajectory, plan: TurnPlan, model_turn: ModelTurnPlan) -> dict[str, Any]:
     """What the caller gets back for a turn, from the session as it is now and the planned fold (so that it can be
     built, and serialized, before the session changes)."""
-    sample, turn = session.sample, model_turn.turn
+    sample, turn = trajectory.sample, model_turn.turn
     return {
-        "session_id": session.session_id,
+        "session_id": trajectory.session_id,
         "turn": len(sample.turns),
         "rid": turn.rid or plan.rid,
         "new_token_ids": turn.token_ids.tolist(),
@@ -147,22 +147,23 @@ class FoldedTurn:
 
 
 def fold(
-    state: GatewayState, session: Session, plan: TurnPlan, turn: DecodedTurn, *, partial: bool = False
+    state: GatewayState, trajectory: Trajectory, plan: TurnPlan, turn: DecodedTurn, *, partial: bool = False
 ) -> FoldedTurn:
     """All or nothing: the fold is planned (every check) and the caller's answer serialized before the session
     changes, so a failure at any step leaves it byte-identical and servable."""
-    model_turn = session.sample.plan_model_turn(turn, routing_start_len=plan.routing_start_len)
-    summary = turn_summary(session, plan, model_turn)
+    model_turn = trajectory.sample.plan_model_turn(turn, routing_start_len=plan.routing_start_len)
+    summary = turn_summary(trajectory, plan, model_turn)
     try:
         orjson.dumps(summary)
     except (TypeError, orjson.JSONEncodeError) as exc:  # the codec bounds every field; this is the last line
         raise UpstreamProtocolError(f"the upstream answer cannot be stored: {exc}") from None
-    with state.store.growing(session, turn.num_tokens):  # refused past max_session_tokens; keeps the byte count
-        session.sample.apply_model_turn(model_turn)
+    with state.store.growing(trajectory, turn.num_tokens):  # refused past max_session_tokens; keeps the byte count
+        trajectory.sample.apply_model_turn(model_turn)
+    trajectory.branch.touch()
     state.metrics.turns.labels("model", "partial" if partial else (turn.finish_type or "none")).inc()
     state.metrics.folded_tokens.labels("true").inc(turn.num_tokens)
-    log.debug("session %s: +%d tokens (%s)", session.session_id, turn.num_tokens, turn.finish_type)
-    return FoldedTurn(summary, model_turn, tuple(session.sample.weight_version_table))
+    log.debug("session %s: +%d tokens (%s)", trajectory.session_id, turn.num_tokens, turn.finish_type)
+    return FoldedTurn(summary, model_turn, tuple(trajectory.sample.weight_version_table))
 
 
 def check_answer_belongs(plan: TurnPlan, turn: DecodedTurn) -> None:
@@ -211,11 +212,11 @@ class TurnHandle:
 class UnaryTurn(TurnHandle):
     """A unary turn: its upstream call runs in a task of its own, so that an abort can cut it."""
 
-    def __init__(self, state: GatewayState, session: Session, plan: TurnPlan) -> None:
+    def __init__(self, state: GatewayState, trajectory: Trajectory, plan: TurnPlan) -> None:
         super().__init__(state, plan)
-        body = upstream_payload(session, plan)
+        body = upstream_payload(trajectory, plan)
         self.call = asyncio.create_task(
-            state.upstream.post_generate(body, routing_key=session.session_id), name=f"generate-{plan.rid}"
+            state.upstream.post_generate(body, routing_key=trajectory.session_id), name=f"generate-{plan.rid}"
         )
 
     async def _abort_upstream(self) -> None:
@@ -236,15 +237,15 @@ class UnaryTurn(TurnHandle):
             return None
 
 
-async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -> FoldedTurn:
+async def run_turn(state: GatewayState, trajectory: Trajectory, request: TurnCreate) -> FoldedTurn:
     """A unary turn; runs with the session held exclusively (see ``SessionStore.exclusive``)."""
-    plan = plan_turn(session, request, incremental_routing=state.settings.incremental_routing)
-    handle = UnaryTurn(state, session, plan)
-    session.running = handle
+    plan = plan_turn(trajectory, request, incremental_routing=state.settings.incremental_routing)
+    handle = UnaryTurn(state, trajectory, plan)
+    trajectory.running = handle
     try:
         answer = await handle.answer()
         if answer is None:  # aborted before any answer: an empty aborted turn, so the session says so
-            return fold(state, session, plan, aborted_turn(plan.rid, handle.abort_reason or "aborted"), partial=True)
+            return fold(state, trajectory, plan, aborted_turn(plan.rid, handle.abort_reason or "aborted"), partial=True)
         try:
             turn = await state.decode(
                 "answer",
@@ -254,7 +255,7 @@ async def run_turn(state: GatewayState, session: Session, request: TurnCreate) -
         finally:
             state.upstream.recycle(answer)  # the decoded turn holds no view of the answer's bytes
         check_answer_belongs(plan, turn)
-        return fold(state, session, plan, turn)
+        return fold(state, trajectory, plan, turn)
     finally:
         handle.call.cancel()  # a no-op once it is done; else the caller went away and the connection must close
         handle.finished()
@@ -275,14 +276,14 @@ TurnEndHook = Callable[["FoldedTurn | None"], None]
 
 
 async def open_stream_turn(
-    state: GatewayState, session: Session, request: TurnCreate, *, on_end: TurnEndHook | None = None
+    state: GatewayState, trajectory: Trajectory, request: TurnCreate, *, on_end: TurnEndHook | None = None
 ) -> StreamTurn:
     """Plan and open the upstream stream; errors before the first byte are plain HTTP errors for the caller."""
-    plan = plan_turn(session, request, incremental_routing=state.settings.incremental_routing)
+    plan = plan_turn(trajectory, request, incremental_routing=state.settings.incremental_routing)
     response = await state.upstream.open_generate_stream(
-        upstream_payload(session, plan, stream=True), routing_key=session.session_id
+        upstream_payload(trajectory, plan, stream=True), routing_key=trajectory.session_id
     )
-    return StreamTurn(state, session, plan, response, on_end=on_end)
+    return StreamTurn(state, trajectory, plan, response, on_end=on_end)
 
 
 class StreamTurn(TurnHandle):
@@ -291,14 +292,14 @@ class StreamTurn(TurnHandle):
     def __init__(
         self,
         state: GatewayState,
-        session: Session,
+        trajectory: Trajectory,
         plan: TurnPlan,
         response: Response,
         *,
         on_end: TurnEndHook | None = None,
     ) -> None:
         super().__init__(state, plan)
-        self.session = session
+        self.trajectory = trajectory
         self._on_end = on_end
         self.response = response
         self.decoder = CumulativeStreamDecoder()
@@ -308,7 +309,7 @@ class StreamTurn(TurnHandle):
         self._owner_checked = False  # whether the first non-final chunk's rid was checked (``_check_owner``)
         self._pieces = state.upstream.relay(response)  # the upstream body; closing it closes the response
         self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        session.running = self
+        trajectory.running = self
         self.task = asyncio.create_task(self._produce(), name=f"stream-{self.rid}")
 
     async def client_events(self) -> AsyncIterator[bytes]:
@@ -341,7 +342,7 @@ class StreamTurn(TurnHandle):
             return
         log.info(
             "session %s: upstream did not end rid %s in %.1fs; closing it",
-            self.session.session_id,
+            self.trajectory.session_id,
             self.rid,
             ABORT_GRACE_S,
         )
@@ -370,13 +371,13 @@ class StreamTurn(TurnHandle):
             turn = None if folded is None else folded.summary
             final = {"type": "error", "error": error.to_body()["error"], "turn": turn}
         except Exception:  # a bug: the caller still gets an error event, and the session is released
-            log.exception("session %s: streamed turn %s failed", self.session.session_id, self.rid)
+            log.exception("session %s: streamed turn %s failed", self.trajectory.session_id, self.rid)
             error = GatewayError("internal error while streaming the turn (see the gateway log)")
             final = {"type": "error", "error": error.to_body()["error"], "turn": None}
         finally:
             self._ended(folded)
             try:
-                await self.state.store.release(self.session)
+                await self.state.store.release(self.trajectory)
             except GatewayError as error:  # the store could not keep the turn (a shared backend down)
                 self.state.metrics.record_error(error)
                 final = {"type": "error", "error": error.to_body()["error"], "turn": None}
@@ -397,7 +398,7 @@ class StreamTurn(TurnHandle):
         try:
             self._on_end(folded)
         except Exception:  # the hook's owner reports its own errors; the session must still be released
-            log.exception("session %s: the end of streamed turn %s failed", self.session.session_id, self.rid)
+            log.exception("session %s: the end of streamed turn %s failed", self.trajectory.session_id, self.rid)
 
     async def _read_rest(self) -> None:
         """After the final chunk only ``[DONE]`` and the end of the body remain: read them, so that the connection
@@ -433,7 +434,7 @@ class StreamTurn(TurnHandle):
             turn = await self.state.decode("stream_final", len(payload), lambda: self._decode_final(payload))
             check_answer_belongs(self.plan, turn)
             self._take(self.decoder.final_delta(turn))
-            return fold(self.state, self.session, self.plan, turn)
+            return fold(self.state, self.trajectory, self.plan, turn)
         work = self.decoder.work_bytes(payload)
         delta, answer = await self.state.decode("stream_chunk", work, lambda: self.decoder.feed(payload))
         if answer is not None and (error := stream_error_payload(answer)) is not None:
@@ -450,7 +451,7 @@ class StreamTurn(TurnHandle):
         # a final chunk the fast check could not see (its keys laid out differently): decode the parsed form
         turn = decode_answer(answer, want_routing=self.plan.want_routing, want_top_p=self.plan.want_top_p)  # type: ignore[arg-type]
         check_answer_belongs(self.plan, turn)
-        return fold(self.state, self.session, self.plan, turn)
+        return fold(self.state, self.trajectory, self.plan, turn)
 
     def _check_owner(self, payload: AnswerBytes, answer: dict[str, Any] | None) -> None:
         """The first chunk says whose stream this is. Without this check a foreign stream (a late answer on a reused
@@ -472,7 +473,7 @@ class StreamTurn(TurnHandle):
         if not len(delta.token_ids) and not delta.text:
             return
         # Past max_session_tokens the stream is cut here (LimitExceeded): no fold, partial or not, could take it.
-        self.state.store.check_room(self.session, len(self.token_ids) + len(delta.token_ids))
+        self.state.store.check_room(self.trajectory, len(self.token_ids) + len(delta.token_ids))
         self.token_ids.append(delta.token_ids)
         self.log_probs.append(delta.log_probs)
         self.text_parts.append(delta.text)
@@ -506,4 +507,4 @@ class StreamTurn(TurnHandle):
             top_p_offsets=no_spans[1],
             weight_version_spans=self.decoder.partial_version_spans(n),
         )
-        return fold(self.state, self.session, self.plan, turn, partial=True)
+        return fold(self.state, self.trajectory, self.plan, turn, partial=True)

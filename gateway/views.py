@@ -11,7 +11,7 @@ import orjson
 from gateway.codec import narrowest_unsigned, safetensors_stream
 from gateway.errors import BranchNotFound
 from gateway.sample import SessionSample
-from gateway.store import Session
+from gateway.store import Branch, Session, last_error
 
 if TYPE_CHECKING:
     from gateway.chat.conversation import ChatRecord
@@ -19,16 +19,22 @@ if TYPE_CHECKING:
     from gateway.turns import FoldedTurn
 
 LAST_TOKENS_SHOWN = 16
+# A branch's place in the tree, in the view's branches[i] and in its sample's metadata (Session.branch_meta).
+BRANCH_KEYS = ("parent", "fork_token", "first_difference", "cause", "model", "created_at", "updated_at")
 
 
 def session_summary(session: Session) -> dict[str, Any]:
     return session.summary()
 
 
-def session_view(session: Session) -> dict[str, Any]:
-    sample = session.sample
+def session_view(session: Session, branch: int | None = None) -> dict[str, Any]:
+    """The curl view of one branch (the root by default): the session's summary, that branch's sample and chat
+    record, and the whole tree in ``branches``."""
+    chosen = session.branches[_branch_index(session, branch)]
+    sample = chosen.sample
     arrays = sample.arrays()
-    view = session_summary(session) | {
+    view = session_summary(session) | _sample_summary(sample) | {
+        "branch": session.index(chosen),
         "metadata": session.metadata,
         "moe": None if sample.moe is None else {"num_layers": sample.moe.num_layers, "topk": sample.moe.topk},
         "replay": {
@@ -48,23 +54,28 @@ def session_view(session: Session) -> dict[str, Any]:
         "last_tokens": arrays["tokens"][-LAST_TOKENS_SHOWN:].tolist(),
         "turn_log": [t.to_json() for t in sample.turns],
         "inspector": f"/ui/sessions/{session.session_id}",  # the session page of the gateway's inspector (/ui/)
+        "branches": [_branch_summary(session, known) for known in session.branches],
     }
-    if session.branches:
-        view["branches"] = [_branch_summary(i, branch) for i, branch in enumerate(session.branches)]
-    if session.chat is not None:
-        view["chat"] = _chat_view(session.chat)
+    if chosen.record is not None:
+        view["chat"] = _chat_view(chosen.record)
     return view
 
 
-def _branch_summary(index: int, sample: SessionSample) -> dict[str, Any]:
+def _sample_summary(sample: SessionSample) -> dict[str, Any]:
     return {
-        "branch": index,
         "status": sample.status.value,
         "prompt_length": sample.prompt_length,
         "response_length": sample.response_length,
         "total_tokens": len(sample.tokens),
         "turns": len(sample.turns),
     }
+
+
+def _branch_summary(session: Session, branch: Branch) -> dict[str, Any]:
+    """A branch as the view's ``branches[i]`` shows it: where it stands in the tree, its sample's lengths."""
+    meta = session.branch_meta(branch)
+    extra = {"busy": branch.busy, "chat": branch.record is not None, "last_error": last_error(branch.sample)}
+    return meta | _sample_summary(branch.sample) | extra
 
 
 CHAT_CONTENT_SHOWN = 200
@@ -108,24 +119,24 @@ class FullView:
         return orjson.dumps(self.view)[:-1] + b',"full":{' + full + b"}}"
 
 
-def full_view(session: Session) -> FullView:
-    view = session_view(session)
-    if session.chat is not None:  # the record whole: every message's text, the tools with their schemas
-        view["chat"]["record"] = session.chat.to_json()
-    return FullView(view, session.sample.arrays())
+def full_view(session: Session, branch: int | None = None) -> FullView:
+    chosen = session.branches[_branch_index(session, branch)]
+    view = session_view(session, branch)
+    if chosen.record is not None:  # the record whole: every message's text, the tools with their schemas
+        view["chat"]["record"] = chosen.record.to_json()
+    return FullView(view, chosen.sample.arrays())
 
 
-def session_branch(session: Session, branch: int | None) -> SessionSample:
-    """One trajectory of ``session`` by index (``Session.samples``); None: the live one."""
+def _branch_index(session: Session, branch: int | None) -> int:
+    """``branch`` checked against the session's tree (None: the root, 0)."""
     if branch is None:
-        return session.sample
-    samples = session.samples
-    if not 0 <= branch < len(samples):
+        return 0
+    if not 0 <= branch < len(session.branches):
         raise BranchNotFound(
-            f"session {session.session_id!r} has branches 0..{len(samples) - 1}, not {branch}",
-            branches=len(samples),
+            f"session {session.session_id!r} has branches 0..{len(session.branches) - 1}, not {branch}",
+            branches=len(session.branches),
         )
-    return samples[branch]
+    return branch
 
 
 def _json_array(values: np.ndarray) -> bytes:
@@ -140,14 +151,17 @@ def _json_array(values: np.ndarray) -> bytes:
     return b"[" + b",".join(pieces) + b"]"
 
 
-def sample_metadata(session: Session, sample: SessionSample | None = None) -> dict[str, str]:
-    """safetensors metadata is str -> str: scalars as text, structures as JSON. ``sample``: one of the session's
-    trajectories (default: the live one)."""
-    sample = session.sample if sample is None else sample
+def sample_metadata(session: Session, branch: Branch | None = None) -> dict[str, str]:
+    """safetensors metadata is str -> str: scalars as text (an empty string for none), structures as JSON.
+    ``branch``: one of the session's (default: the root), whose place in the tree the metadata carries."""
+    branch = session.branches[0] if branch is None else branch
+    sample = branch.sample
+    tree = session.branch_meta(branch)
     meta = {
         "session_id": session.session_id,
-        "branch": str(next(i for i, s in enumerate(session.samples) if s is sample)),
-        "branches": str(len(session.branches) + 1),
+        "branch": str(tree["branch"]),
+        "branches": str(len(session.branches)),
+        **{key: "" if tree[key] is None else str(tree[key]) for key in BRANCH_KEYS},
         "status": sample.status.value,
         "response": sample.response,
         "response_length": str(sample.response_length),
@@ -185,8 +199,8 @@ class SamplePayload:
 
 
 def sample_payload(session: Session, branch: int | None = None) -> SamplePayload:
-    sample = session_branch(session, branch)
-    return SamplePayload(sample.arrays(), sample_metadata(session, sample))
+    chosen = session.branches[_branch_index(session, branch)]
+    return SamplePayload(chosen.sample.arrays(), sample_metadata(session, chosen))
 
 
 def turn_payload(folded: FoldedTurn) -> SamplePayload:
@@ -219,13 +233,13 @@ def turn_payload(folded: FoldedTurn) -> SamplePayload:
 
 def group_payload(sessions: list[Session]) -> SamplePayload:
     """A whole group in one safetensors file: tensors named ``{i}/{field}``, metadata under ``samples``. Each
-    trajectory of a session is its own sample (a chat session whose history was edited has several: its branches
-    in order, the live one last), so each generated response is trained once."""
+    branch of a session is its own sample (a chat session's tree has several, in the order they were started), so
+    each generated response is trained once."""
     arrays: dict[str, np.ndarray] = {}
     samples: list[dict[str, str]] = []
     for session in sessions:
-        for sample in session.samples:
-            arrays.update({f"{len(samples)}/{name}": a for name, a in sample.arrays().items()})
-            samples.append(sample_metadata(session, sample))
+        for branch in session.branches:
+            arrays.update({f"{len(samples)}/{name}": a for name, a in branch.sample.arrays().items()})
+            samples.append(sample_metadata(session, branch))
     metadata = {"samples": orjson.dumps(samples).decode(), "count": str(len(samples))}
     return SamplePayload(arrays, metadata)

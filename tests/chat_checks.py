@@ -81,7 +81,7 @@ def check_trajectory(
     """Assert the session holds one token-exact trajectory whose model tokens are ``answers`` (the scripted texts,
     in order); returns the full view."""
     view = full_view(url, sid, headers)
-    assert view["branch"] == 0 and not view.get("branches"), f"more than one branch: {view.get('branches')}"
+    assert view["branch"] == 0 and len(view["branches"]) == 1, f"more than one branch: {view['branches']}"
     record = view["chat"]["record"]
     messages, tools = template_messages(record)
     assert [m["role"] for m in messages].count("assistant") == len(answers), [m["role"] for m in messages]

@@ -60,8 +60,9 @@ def script(sim: Service, sid: str, *answers: str | list[int]) -> None:
     assert response.status_code == 200, response.text
 
 
-def view(gateway: Service, sid: str) -> dict[str, Any]:
-    response = httpx.get(f"{gateway.url}/v1/sessions/{sid}")
+def view(gateway: Service, sid: str, branch: int | None = None) -> dict[str, Any]:
+    params = {} if branch is None else {"branch": branch}
+    response = httpx.get(f"{gateway.url}/v1/sessions/{sid}", params=params)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -352,15 +353,18 @@ def test_an_edited_tool_result_forks_a_branch_from_the_models_last_message(
     assert completion.choices[0].message.content == "Take an umbrella."
     assert completion.model_extra["gateway"]["branch"] == 1  # the gateway's own field, beside the API's
 
-    state = view(chat_gateway, sid)
-    assert state["branch"] == 1 and [b["branch"] for b in state["branches"]] == [0]
-    assert state["branches"][0]["status"] == "completed"
-    live = sample(chat_gateway, sid)
+    root, state = view(chat_gateway, sid), view(chat_gateway, sid, branch=1)
+    assert root["branch"] == 0 and state["branch"] == 1
+    first, second = state["branches"]
+    assert first["status"] == "completed" and first["parent"] is None and first["turns"] == 3
     # The new branch continues from the end of the model's first reply, with those tokens unchanged; they are its
     # prompt, so the first reply is trained once (in branch 0).
+    assert second == second | {"parent": 0, "fork_token": first_reply_end, "first_difference": 2, "turns": 2}
+    assert second["cause"] == "edited_history" and second["model"] == "tiny"
+    live = sample(chat_gateway, sid, branch=1)
     assert state["prompt_length"] == first_reply_end
     np.testing.assert_array_equal(live["tokens"][:first_reply_end], before["tokens"][:first_reply_end])
-    np.testing.assert_array_equal(sample(chat_gateway, sid, branch=0)["tokens"], before["tokens"])
+    np.testing.assert_array_equal(sample(chat_gateway, sid)["tokens"], before["tokens"])  # the root: unchanged
     assert metric(chat_gateway, 'gateway_chat_drift_total{cause="edited_history"}') == drift_before + 1
 
     group = httpx.post(f"{chat_gateway.url}/v1/samples", json={"session_ids": [sid]})
@@ -379,8 +383,9 @@ def test_an_edited_first_message_forks_from_nothing(chat_gateway: Service, chat_
     messages = [{"role": "user", "content": "Hi there"}]
     reply, _, _ = openai_chat(openai_client(chat_gateway, sid), messages, stream=False, max_tokens=64)
     assert reply["content"] == "Hello!"
-    state = view(chat_gateway, sid)
+    state = view(chat_gateway, sid, branch=1)
     assert state["branch"] == 1 and state["turns"] == 1
+    assert state["branches"][1] == state["branches"][1] | {"parent": None, "fork_token": 0, "cause": "new_root"}
     assert [m["role"] for m in state["chat"]["messages"]] == ["user", "assistant"]
 
 
@@ -601,7 +606,7 @@ async def test_the_sdk_creates_chat_sessions_and_fetches_every_branch(chat_gatew
         samples = await session.fetch_all()
         assert [(s.branch, s.branches) for s in samples] == [(0, 2), (1, 2)]
         assert [s.response for s in samples] == ["Hello.", "Hi again."]
-        live = await session.fetch()
-        assert live.branch == 1 and live.tokens.tolist() == samples[1].tokens.tolist()
-        assert (await session.fetch(branch=0)).tokens.tolist() == samples[0].tokens.tolist()
+        root = await session.fetch()
+        assert root.branch == 0 and root.tokens.tolist() == samples[0].tokens.tolist()
+        assert (await session.fetch(branch=1)).tokens.tolist() == samples[1].tokens.tolist()
         assert samples[0].rollout_routed_experts is not None and samples[1].rollout_routed_experts is not None

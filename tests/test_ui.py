@@ -492,8 +492,8 @@ async def test_a_demo_session_shows_what_the_json_view_says(
     assert await count(page, "#count-prompt") == state["prompt_length"]
     assert await count(page, "#count-trainable") == int(live["loss_mask"].sum())
     assert await count(page, "#count-turns") == state["turns"]
-    assert await count(page, "#count-branches") == len(state["branches"]) + 1 == 2
-    assert (await text(page, "#count-branch")).startswith(str(state["branch"]))
+    assert await count(page, "#count-branches") == len(state["branches"]) == 2
+    assert (await text(page, "#count-branch")).startswith(str(state["branch"])) and state["branch"] == 0
     assert await text(page, "#count-routing") == (
         f"{state['replay']['routed_experts_rows']} rows · {SIM_LAYERS} layers × top-{SIM_TOPK} · "
         f"{int(live['rollout_routed_experts'].max()) + 1} experts seen"
@@ -530,18 +530,19 @@ async def test_a_demo_session_shows_what_the_json_view_says(
     assert await text(page, "#detail-role") == "tool / appended (not trainable)"
     assert (await text(page, "#detail-logprob")).endswith("(not trainable)")
 
-    # Switch to the first branch: the counts follow it.
-    await page.click("#branch-tree button[data-branch='0']")
-    await page.wait_for_selector("body[data-branch='0'][data-ready='1']")
-    first = sample(chat_gateway, sid, branch=0)
-    assert "branch=0" in page.url
-    assert await count(page, "#count-tokens") == len(first["tokens"]) == state["branches"][0]["total_tokens"]
-    assert await count(page, "#count-trainable") == int(first["loss_mask"].sum())
-    assert await count(page, "#count-turns") == state["branches"][0]["turns"]
-    assert await page.locator("#branch-tree button[aria-current='true']").get_attribute("data-branch") == "0"
-    await page.screenshot(path=str(tmp_path / "branch-0.png"), full_page=True)
+    # Switch to the forked branch: the counts follow it; then back to the root.
     await page.click("#branch-tree button[data-branch='1']")
     await page.wait_for_selector("body[data-branch='1'][data-ready='1']")
+    fork = sample(chat_gateway, sid, branch=1)
+    assert "branch=1" in page.url
+    assert await count(page, "#count-tokens") == len(fork["tokens"]) == state["branches"][1]["total_tokens"]
+    assert await count(page, "#count-trainable") == int(fork["loss_mask"].sum())
+    assert await count(page, "#count-turns") == state["branches"][1]["turns"]
+    assert await text(page, "#count-branch") == "1 (from b0)"
+    assert await page.locator("#branch-tree button[aria-current='true']").get_attribute("data-branch") == "1"
+    await page.screenshot(path=str(tmp_path / "branch-1.png"), full_page=True)
+    await page.click("#branch-tree button[data-branch='0']")
+    await page.wait_for_selector("body[data-branch='0'][data-ready='1']")
     assert await count(page, "#count-tokens") == state["total_tokens"]
     # The page draws cells on canvases: a few hundred DOM nodes, whatever the session's size.
     assert await page.evaluate("document.querySelectorAll('*').length") < 2000

@@ -169,7 +169,7 @@ def in_memory(ctx: Context, raw_answer: bytes, prompt: list[int], repeat: int) -
     moe = ctx.suite.moe
     sample = SessionSample.from_prompt(prompt, MoEShape(moe.layers, moe.topk))
     sample.fold_model_turn(decode_generate_response(raw_answer, want_routing=True, want_top_p=ctx.suite.answer.top_p))
-    compact = sample_payload(GatewaySession(session_id="bench", sample=sample)).encode()
+    compact = sample_payload(GatewaySession.of("bench", sample)).encode()
 
     def reference() -> dict[str, torch.Tensor]:
         ref = ReferenceSample(tokens=list(prompt), num_layers=moe.layers, topk=moe.topk)

@@ -18,7 +18,7 @@ def run(ctx: Context) -> RowResult:
     answer = build_answer(shape)
     sample = SessionSample.from_prompt(answer.prompt, MoEShape(shape.moe.layers, shape.moe.topk))
     sample.fold_model_turn(decode_generate_response(answer.raw, want_routing=True, want_top_p=shape.top_p))
-    compact = sample_payload(Session(session_id="bench-bytes", sample=sample)).encode()
+    compact = sample_payload(Session.of("bench-bytes", sample)).encode()
     raw, small = len(answer.raw), len(compact)
     per_token = small / shape.total_tokens
     return RowResult(

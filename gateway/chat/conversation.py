@@ -1,15 +1,20 @@
-"""A chat session's record of messages, and how a new request's history maps onto the session's tokens.
+"""A chat session's tree of branches, each with its record of messages, and how a new request maps onto them.
 
-Each request carries the whole history (the chat APIs are stateless). The session keeps the messages it has seen
-and, for each message the model wrote, where in the tokens it ends. A request whose history starts with the record
-(message by message, ``ChatMessage.same_message``) extends it: only its new messages are rendered, after the
-session's tokens. One that disagrees (the client edited, dropped or reordered earlier messages: drift) is handled
-by the drift policy:
+Each request carries the whole history (the chat APIs are stateless). Each branch of the session keeps the messages
+it has seen and, for each message the model wrote, where in the branch's tokens it ends. A request is matched against
+every branch's record (message by message, ``ChatMessage.same_message``):
 
-- ``fork`` (default): the session's trajectory so far becomes a finished branch, and a new branch continues from
-  the longest common prefix that ends with a message the model wrote (its tokens unchanged), or from nothing. Each
-  branch is its own training sample, so each generated response is trained once.
-- ``reject``: 409 ``history_mismatch``, the session unchanged.
+- it **continues** the branch whose record it extends (the longest such record): only its new messages are rendered,
+  after that branch's tokens;
+- else it **forks** (drift policy ``fork``, the default) a new branch from the branch with which it shares the longest
+  prefix ending at a message the model wrote: that prefix's tokens (unchanged) are the new branch's prompt, so each
+  generated token is trained once, in the branch that generated it;
+- else it starts a **new root** branch (a side conversation: another system prompt, a subagent).
+
+With drift policy ``reject`` a request that extends no branch is a 409 ``history_mismatch``. A template that renders
+the earlier messages differently once new ones follow (``rewrote``) is handled by the rewrite policy: ``append`` (the
+new messages as the template renders them after the history, on the same branch) or ``fork`` (the conversation
+re-rendered as the template renders it now, on a new branch).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import numpy as np
 from gateway.chat.messages import ChatMessage, ChatRequest, Tool, ToolCall, tools_key
 from gateway.chat.template import ChatTemplate, Rendered
 from gateway.errors import HistoryMismatch, InvalidRequest
-from gateway.store import Session, SessionStore
+from gateway.sample import SessionSample
+from gateway.store import Branch, Session, SessionStore, Trajectory
 
 DriftPolicy = Literal["fork", "reject"]
 RewritePolicy = Literal["append", "fork"]
@@ -95,18 +101,34 @@ DriftCause = Literal["edited_history", "new_root", "rewrite"]
 
 @dataclass(frozen=True, slots=True)
 class ChatPlan:
-    """What a chat request does to its session before the model turn, decided before anything changes."""
+    """What a chat request does to its session before the model turn, decided before anything changes: the branch it
+    continues, or the new branch it starts (from ``parent``'s first ``fork_at`` tokens, or from nothing)."""
 
-    history: int  # leading messages of the request that are already in the session (or its new branch)
-    fork_at: int | None  # None: the session goes on; else a new branch continues from this many tokens
+    branch: Branch | None  # the branch the request continues; None: it starts a new one
+    parent: Branch | None  # a new branch's parent (None: a new root)
+    history: int  # leading messages of the request that are already in the branch (or the new branch's parent)
+    fork_at: int  # a new branch: how many of the parent's tokens it starts from; a continued one: its token count
     delta: Rendered  # the tokens the request adds before the model answers
-    as_prompt: bool  # the delta is the prompt (a new conversation) rather than tokens after the model's last reply
-    first_difference: int | None = None  # drift: the first message that differs from the record
-    cause: DriftCause | None = None  # why the request did not simply extend the record (a metric's label)
+    as_prompt: bool  # the delta is (more) prompt rather than tokens after the model's last reply
+    first_difference: int | None = None  # a new branch: the first message that differs from the parent's record
+    cause: DriftCause | None = None  # why the request did not simply extend a branch (a metric's label)
+    record: ChatRecord | None = None  # the continued branch's record as planned against (re-checked when held)
 
-    def tokens_after(self, session: Session) -> int:
-        base = len(session.sample.tokens) if self.fork_at is None else self.fork_at
-        return base + len(self.delta.ids)
+    def tokens_after(self) -> int:
+        return self.fork_at + len(self.delta.ids)
+
+    def new_branch(self, session: Session, model: str | None) -> Branch:
+        """The branch this plan starts (its prompt so far: the parent's first ``fork_at`` tokens)."""
+        assert self.branch is None
+        source = self.parent.sample if self.parent is not None else session.sample
+        return Branch(
+            source.branch(self.fork_at if self.parent is not None else 0),
+            parent=self.parent,
+            fork_token=self.fork_at if self.parent is not None else 0,
+            first_difference=self.first_difference,
+            cause=self.cause,
+            model=model,
+        )
 
 
 def _message_json(message: ChatMessage) -> dict[str, Any]:
@@ -140,59 +162,80 @@ def _message_from_json(value: dict[str, Any]) -> ChatMessage:
 def plan_chat(
     template: ChatTemplate, session: Session, request: ChatRequest, policy: DriftPolicy, rewrite: RewritePolicy
 ) -> ChatPlan:
-    record: ChatRecord | None = session.chat
-    tokens = session.sample.tokens.view()
-    if record is None:
-        if len(tokens):
+    root = session.branches[0]
+    chats = [branch for branch in session.branches if branch.record is not None]
+    if not chats:
+        if len(root.sample.tokens):
             raise InvalidRequest(
                 f"session {session.session_id!r} was created with prompt_ids: chat requests need a session created "
                 "without them (its first chat request renders the prompt)"
             )
-        return ChatPlan(0, None, template.prompt(request.messages, request.tools), as_prompt=True)
-    common = record.common_prefix(request)
-    if common == len(record.messages):  # the request extends the record (its last message is never the model's)
-        return _continue(template, tokens, request, common, None, rewrite)
-    if policy == "reject":
-        raise HistoryMismatch(
-            f"message {common} of the request differs from the session's record (drift policy: reject)",
-            session_id=session.session_id,
-            first_difference=common,
-            recorded_messages=len(record.messages),
-        )
-    point = record.branch_point(common)
-    if not point:
         prompt = template.prompt(request.messages, request.tools)
-        return ChatPlan(0, 0, prompt, True, first_difference=common, cause="new_root")
-    plan = _continue(template, tokens, request, point, record.ends[point - 1], rewrite)
-    return replace(plan, first_difference=common, cause=plan.cause or "edited_history")
+        if not root.busy:  # the session's first conversation: the root branch
+            return ChatPlan(root, None, 0, 0, prompt, as_prompt=True)
+        return ChatPlan(None, None, 0, 0, prompt, as_prompt=True, first_difference=0, cause="new_root")
+    common = {branch: branch.record.common_prefix(request) for branch in chats}
+    extended = [b for b in chats if common[b] == len(b.record.messages)]  # a record's last message is the model's
+    if extended:
+        branch = max(extended, key=lambda b: (len(b.record.messages), b.updated_at))
+        return _continue(template, branch, request, len(branch.record.messages), rewrite)
+    if policy == "reject":
+        closest = max(chats, key=lambda b: common[b])
+        raise HistoryMismatch(
+            f"message {common[closest]} of the request differs from every branch's record (drift policy: reject)",
+            session_id=session.session_id,
+            first_difference=common[closest],
+            recorded_messages=len(closest.record.messages),
+            branch=session.index(closest),
+        )
+    points = {branch: branch.record.branch_point(common[branch]) for branch in chats}
+    parent = max(chats, key=lambda b: (points[b], b.updated_at))
+    if not points[parent]:
+        prompt = template.prompt(request.messages, request.tools)
+        first_difference = max(common.values())
+        return ChatPlan(None, None, 0, 0, prompt, True, first_difference=first_difference, cause="new_root")
+    plan = _continue(template, parent, request, points[parent], rewrite)
+    if plan.branch is None:  # re-rendered: a new branch already
+        return replace(plan, first_difference=common[parent])
+    return replace(
+        plan,
+        branch=None,
+        parent=parent,
+        fork_at=parent.record.ends[points[parent] - 1],
+        first_difference=common[parent],
+        cause=plan.cause or "edited_history",
+        record=None,
+    )
 
 
 def _continue(
-    template: ChatTemplate,
-    tokens: np.ndarray,
-    request: ChatRequest,
-    history: int,
-    fork_at: int | None,
-    rewrite: RewritePolicy,
+    template: ChatTemplate, branch: Branch, request: ChatRequest, history: int, rewrite: RewritePolicy
 ) -> ChatPlan:
-    """The request's messages after its first ``history`` ones, which end with a message the model wrote at token
-    ``fork_at`` (None: at the end of the session's tokens)."""
-    end = len(tokens) if fork_at is None else fork_at
-    done, new = request.messages[:history], request.messages[history:]
+    """The request's messages after its first ``history`` ones, which end with a message the model wrote: on
+    ``branch`` when those are its whole record, else at the end of that message (a fork)."""
+    record: ChatRecord = branch.record
+    tokens = branch.sample.tokens.view()
+    end = record.ends[history - 1]
+    assert end is not None
+    # The recorded messages, not the request's: the same messages (``same_message``), but as the model wrote them
+    # (a client may have dropped their reasoning).
+    done, new = record.messages[:history], request.messages[history:]
     continuation = template.continuation(done, new, request.tools, last_token=int(tokens[end - 1]))
     if continuation.rendered is None or (continuation.rewrote and rewrite == "fork"):
-        return _rerendered(template, tokens, request)
+        return _rerendered(template, branch, tokens, replace(request, messages=(*done, *new)))
     cause: DriftCause | None = "rewrite" if continuation.rewrote else None
-    return ChatPlan(history, fork_at, continuation.rendered, as_prompt=False, cause=cause)
+    return ChatPlan(
+        branch, None, history, len(tokens), continuation.rendered, as_prompt=False, cause=cause, record=record
+    )
 
 
-def _rerendered(template: ChatTemplate, tokens: np.ndarray, request: ChatRequest) -> ChatPlan:
+def _rerendered(template: ChatTemplate, parent: Branch, tokens: np.ndarray, request: ChatRequest) -> ChatPlan:
     """The whole conversation rendered as the template renders it now, as the prompt of a new branch that shares
     the leading tokens the two have in common (the ``fork`` rewrite policy: what the deployed model would see)."""
     prompt = template.prompt(request.messages, request.tools)
     shared = common_token_prefix(tokens, prompt.ids[:-1])  # at least one new token: the branch's own prompt
-    rest = Rendered(prompt.ids[shared:], "", prompt.render_s)
-    return ChatPlan(0, shared, rest, as_prompt=True, first_difference=None, cause="rewrite")
+    rest = Rendered(prompt.ids[shared:], prompt.text, prompt.render_s)
+    return ChatPlan(None, parent, 0, shared, rest, as_prompt=True, cause="rewrite")
 
 
 def common_token_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -201,42 +244,50 @@ def common_token_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def apply_plan(store: SessionStore, session: Session, plan: ChatPlan) -> Callable[[], None]:
-    """Add the plan's tokens (on a new branch when it forks); returns the undo, for when the model turn fails."""
-    old_sample, old_branches = session.sample, len(session.branches)
-    if plan.fork_at is not None:
-        session.branches.append(old_sample)
-        session.sample = old_sample.branch(plan.fork_at)
-    mark = session.sample.mark()
+def apply_plan(store: SessionStore, trajectory: Trajectory, plan: ChatPlan) -> Callable[[], None]:
+    """Add the plan's tokens to the branch the turn holds; returns the undo, for when the model turn fails (a new
+    branch is dropped whole)."""
+    sample: SessionSample = trajectory.sample
+    mark = sample.mark()
     if plan.as_prompt:
-        session.sample.append_prompt_tokens(plan.delta.ids)
+        sample.append_prompt_tokens(plan.delta.ids)
     else:
-        session.sample.append_tool_tokens(plan.delta.ids, plan.delta.text)
-    store.recount(session)
+        sample.append_tool_tokens(plan.delta.ids, plan.delta.text)
+    store.recount(trajectory.session)
 
     def undo() -> None:
-        if plan.fork_at is None:
-            session.sample.rollback(mark)
-        else:
-            session.sample = old_sample
-            del session.branches[old_branches:]
-        store.recount(session)
+        if plan.branch is None:
+            store.drop_branch(trajectory)
+            return
+        sample.rollback(mark)
+        store.recount(trajectory.session)
 
     return undo
 
 
 def record_reply(
-    session: Session, request: ChatRequest, plan: ChatPlan, reply: ChatMessage, response_id: str | None
+    trajectory: Trajectory, request: ChatRequest, plan: ChatPlan, reply: ChatMessage, response_id: str | None
 ) -> None:
-    """The request's messages and the model's reply become the session's record (``response_id``: the answer's id,
+    """The request's messages and the model's reply become the branch's record (``response_id``: the answer's id,
     when a later request may continue from it)."""
-    record: ChatRecord | None = session.chat
+    source = plan.branch if plan.branch is not None else plan.parent
+    record: ChatRecord | None = None if source is None else source.record
     kept = record.ends[: plan.history] if record is not None and plan.history else ()
     known = record.responses[: plan.history] if record is not None and plan.history else ()
+    recorded = record.messages[: plan.history] if record is not None else ()  # as the model wrote them
     new = len(request.messages) - plan.history
-    session.chat = ChatRecord(
-        messages=(*request.messages, reply),
-        ends=(*kept, *([None] * new), len(session.sample.tokens)),
+    trajectory.branch.record = ChatRecord(
+        messages=(*recorded, *request.messages[plan.history :], reply),
+        ends=(*kept, *([None] * new), len(trajectory.sample.tokens)),
         tools=request.tools,
         responses=(*known, *([None] * (plan.history - len(known))), *([None] * new), response_id),
     )
+
+
+def find_response(session: Session, response_id: str) -> tuple[ChatMessage, ...] | None:
+    """The conversation as of a stored answer, from whichever branch holds it (None: no branch does)."""
+    for branch in session.branches:
+        count = None if branch.record is None else branch.record.find_response(response_id)
+        if count is not None:
+            return branch.record.messages[:count]
+    return None

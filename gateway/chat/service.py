@@ -16,15 +16,23 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.chat.api import ChatRequestError, HostedTools, check_history
-from gateway.chat.conversation import ChatPlan, DriftPolicy, RewritePolicy, apply_plan, plan_chat, record_reply
+from gateway.chat.conversation import (
+    ChatPlan,
+    DriftPolicy,
+    RewritePolicy,
+    apply_plan,
+    find_response,
+    plan_chat,
+    record_reply,
+)
 from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, order_tool_results
 from gateway.chat.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
 from gateway.chat.template import ChatTemplate
 from gateway.chat.tool_parsers import PARSERS, STREAM_SPLITTERS, ParsedCompletion, ToolCallStreamSplitter
-from gateway.errors import ContextLengthExceeded, GatewayError, PreviousResponseNotFound
+from gateway.errors import ContextLengthExceeded, GatewayError, PreviousResponseNotFound, SessionBusy
 from gateway.schemas import TurnCreate
 from gateway.state import GatewayState
-from gateway.store import Session
+from gateway.store import Session, Trajectory
 from gateway.turns import FoldedTurn, StreamTurn, open_stream_turn, run_turn
 
 log = logging.getLogger("gateway.chat")
@@ -91,43 +99,72 @@ class ChatService:
 
     # ---- one turn ---------------------------------------------------------------------------------------------
     async def run(self, state: GatewayState, session_id: str, request: ChatRequest) -> ChatResult:
-        async with state.store.exclusive(session_id) as session:
-            request = self.resolve(session, request)
-            plan = await self._plan(state, session, request)
-            request = self._with_length(request, plan.tokens_after(session))
-            undo = self._begin(state, session, request, plan)
+        trajectory, request, plan, undo = await self._start(state, session_id, request)
+        try:
             try:
-                folded = await run_turn(state, session, _turn_request(request))
+                folded = await run_turn(state, trajectory, _turn_request(request))
             except BaseException:
                 undo()
                 raise
-            return self._finish(state, session, request, plan, folded)
+            return self._finish(state, trajectory, request, plan, folded)
+        finally:
+            await state.store.release(trajectory)
 
     async def open_stream(self, state: GatewayState, session_id: str, request: ChatRequest) -> ChatStream:
         """Start a streamed turn; errors before the upstream answers are plain errors (the session unchanged)."""
-        session = await state.store.acquire(session_id)
+        trajectory, request, plan, undo = await self._start(state, session_id, request)
         try:
-            request = self.resolve(session, request)
-            plan = await self._plan(state, session, request)
-            request = self._with_length(request, plan.tokens_after(session))
-            undo = self._begin(state, session, request, plan)
-            stream = ChatStream(self, state, session, request, plan, undo)
+            stream = ChatStream(self, state, trajectory, request, plan, undo)
             try:
-                stream.turn = await open_stream_turn(state, session, _turn_request(request), on_end=stream.ended)
+                stream.turn = await open_stream_turn(state, trajectory, _turn_request(request), on_end=stream.ended)
             except BaseException:
                 undo()
                 raise
         except BaseException:
-            await state.store.release(session)
+            await state.store.release(trajectory)
             raise
-        return stream
+        return stream  # from here the turn's own task releases the branch, whatever the caller does
+
+    async def _start(
+        self, state: GatewayState, session_id: str, request: ChatRequest
+    ) -> tuple[Trajectory, ChatRequest, ChatPlan, Callable[[], None]]:
+        """Everything before the model turn: the request resolved and planned against the session's tree, the branch
+        it continues (or starts) held, its new tokens added; with the undo of those, for when the turn fails."""
+        session = await state.store.get(session_id)
+        request = self.resolve(session, request)
+        plan = await self._plan(state, session, request)
+        request = self._with_length(request, plan.tokens_after())
+        trajectory = await self._hold(state, session, plan, request)
+        try:
+            undo = self._begin(state, trajectory, plan)
+        except BaseException:
+            if plan.branch is None:
+                state.store.drop_branch(trajectory)
+            await state.store.release(trajectory)
+            raise
+        return trajectory, request, plan, undo
+
+    async def _hold(self, state: GatewayState, session: Session, plan: ChatPlan, request: ChatRequest) -> Trajectory:
+        """Hold the branch the plan continues, or start the one it forks; another turn on that branch is a 409."""
+        if plan.branch is None:
+            return await state.store.start_branch(session, plan.new_branch(session, request.model))
+        trajectory = await state.store.hold(session, plan.branch)
+        if plan.branch.record is not plan.record or len(plan.branch.sample.tokens) != plan.fork_at:
+            await state.store.release(trajectory)  # another turn changed it while this one was planned
+            raise SessionBusy(
+                f"branch {trajectory.index} of session {session.session_id!r} changed while this request was "
+                "planned; send it again",
+                session_id=session.session_id,
+                branch=trajectory.index,
+            )
+        return trajectory
 
     async def count_tokens(self, state: GatewayState, session_id: str, request: ChatRequest) -> int:
         """The prompt a turn with this request would give the model, in tokens (nothing changes)."""
         session = await state.store.get(session_id)
         request = self.resolve(session, request)
         plan = await self._plan(state, session, request, check_context=False)
-        return plan.tokens_after(session)
+        return plan.tokens_after()
 
     # ---- the request, made ready for the conversation logic -------------------------------------------------
     def resolve(self, session: Session, request: ChatRequest) -> ChatRequest:
@@ -146,15 +183,13 @@ class ChatService:
         return replace(request, messages=messages)
 
     def _stored_history(self, session: Session, request: ChatRequest) -> tuple[ChatMessage, ...]:
-        record = session.chat
-        count = None if record is None else record.find_response(request.previous_response_id or "")
-        if record is None or count is None:
+        history = find_response(session, request.previous_response_id or "")
+        if history is None:
             raise PreviousResponseNotFound(
                 f"Previous response with id 'resp_{request.previous_response_id}' not found in session "
                 f"{session.session_id!r} (a response is kept when it was created with store: true)",
                 param="previous_response_id",
             )
-        history = record.messages[:count]
         instructions = request.options.get("instructions")
         if instructions is not None:
             # This request's instructions stand in for the earlier ones (they are not carried over, as in the API).
@@ -180,7 +215,7 @@ class ChatService:
             lambda: plan_chat(self.template, session, request, settings.drift_policy, settings.rewrite_policy),
         )
         if check_context:
-            self._check_context(plan.tokens_after(session), request.max_tokens)
+            self._check_context(plan.tokens_after(), request.max_tokens)
         return plan
 
     def _with_length(self, request: ChatRequest, prompt_tokens: int) -> ChatRequest:
@@ -215,35 +250,41 @@ class ChatService:
                 max_tokens=max_tokens,
             )
 
-    def _begin(self, state: GatewayState, session: Session, request: ChatRequest, plan: ChatPlan) -> Callable[[], None]:
+    def _begin(self, state: GatewayState, trajectory: Trajectory, plan: ChatPlan) -> Callable[[], None]:
         if plan.cause is not None:
             state.metrics.chat_drift.labels(plan.cause).inc()
+            parent = plan.parent
             log.info(
-                "session %s: %s (first differing message %s); %s",
-                session.session_id,
+                "session %s: %s (first differing message %s): branch %d, %s",
+                trajectory.session_id,
                 plan.cause,
                 plan.first_difference,
-                "same branch" if plan.fork_at is None else f"new branch from token {plan.fork_at}",
+                trajectory.index,
+                "a new root"
+                if parent is None
+                else f"from token {plan.fork_at} of branch {trajectory.session.index(parent)}",
             )
-        undo = apply_plan(state.store, session, plan)
+        undo = apply_plan(state.store, trajectory, plan)
         try:
-            state.store.check_growth(session)  # room for the answer: the limits, with the new tokens counted
+            state.store.check_growth(trajectory)  # room for the answer: the limits, with the new tokens counted
         except BaseException:
             undo()
             raise
         return undo
 
     def _finish(
-        self, state: GatewayState, session: Session, request: ChatRequest, plan: ChatPlan, folded: FoldedTurn
+        self, state: GatewayState, trajectory: Trajectory, request: ChatRequest, plan: ChatPlan, folded: FoldedTurn
     ) -> ChatResult:
         """Parse the reply and record it; cannot fail on the answer's content (malformed calls stay content)."""
         parsed, reasoning = self.parse(request, plan, folded.plan.turn.text, state)
         reply = self.reply(folded, parsed, reasoning)
         stored = folded.summary["rid"] if request.api == "responses" and request.store else None
-        record_reply(session, request, plan, reply.message, stored)
+        record_reply(trajectory, request, plan, reply.message, stored)
+        if trajectory.branch.model is None:
+            trajectory.branch.model = request.model
         mode = "stream" if request.stream else "unary"
         state.metrics.chat_turns.labels(request.api, mode, reply.finish).inc()
-        return ChatResult(session.session_id, len(session.branches), reply, folded, plan.delta.render_s, request)
+        return ChatResult(trajectory.session_id, trajectory.index, reply, folded, plan.delta.render_s, request)
 
     # ---- parts ------------------------------------------------------------------------------------------------
     def starts_inside_reasoning(self, plan: ChatPlan) -> bool:
@@ -368,7 +409,7 @@ class StreamEvent:
 class ChatStream:
     service: ChatService
     state: GatewayState
-    session: Session
+    trajectory: Trajectory
     request: ChatRequest
     plan: ChatPlan
     undo: Callable[[], None]
@@ -381,7 +422,7 @@ class ChatStream:
         if folded is None:
             self.undo()
             return
-        self.result = self.service._finish(self.state, self.session, self.request, self.plan, folded)
+        self.result = self.service._finish(self.state, self.trajectory, self.request, self.plan, folded)
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         assert self.turn is not None

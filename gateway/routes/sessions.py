@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -87,11 +88,18 @@ async def list_sessions(state: StateDep) -> Response:
     operation_id="get_session",
     responses={**doc.answers(200, "the session's view", (doc.JSON, doc.ref(doc.SessionView))), **doc.errors(404, 422)},
 )
-async def get_session(session_id: str, state: StateDep, full: bool = False) -> Response:
+async def get_session(
+    session_id: str,
+    state: StateDep,
+    full: bool = False,
+    branch: Annotated[int | None, Query(ge=0)] = None,
+) -> Response:
+    """The curl view of the root branch, or ``?branch=N`` another of a chat session's; ``?full=true`` adds every array
+    (and the chat record whole)."""
     session = await state.store.get(session_id)
     if not full:
-        return json_response(session_view(session))
-    view = full_view(session)
+        return json_response(session_view(session, branch))
+    view = full_view(session, branch)
     return Response(await state.run_cpu(view.nbytes, view.encode), media_type="application/json")
 
 
@@ -130,9 +138,9 @@ async def generate(session_id: str, body: TurnCreateBody, state: StateDep, reque
 
 
 async def _unary_turn(state: GatewayState, session_id: str, body: TurnCreate) -> FoldedTurn:
-    async with state.store.exclusive(session_id) as session:
-        state.store.check_growth(session)  # the answer itself is checked again before it is folded
-        folded = await run_turn(state, session, body)
+    async with state.store.exclusive(session_id) as trajectory:
+        state.store.check_growth(trajectory)  # the answer itself is checked again before it is folded
+        folded = await run_turn(state, trajectory, body)
     status = folded.plan.status_after
     if body.delete_after_turn == "always" or (body.delete_after_turn == "if_finished" and status in FINISHED):
         await state.store.delete(session_id)
@@ -151,12 +159,12 @@ async def _turn_response(
 
 
 async def _stream_turn(session_id: str, body: TurnCreate, state: StateDep) -> Response:
-    session = await state.store.acquire(session_id)
+    trajectory = await state.store.acquire(session_id)
     try:
-        state.store.check_growth(session)
-        turn = await open_stream_turn(state, session, body)
+        state.store.check_growth(trajectory)
+        turn = await open_stream_turn(state, trajectory, body)
     except BaseException:
-        await state.store.release(session)  # nothing was sent to the caller yet: a plain HTTP error
+        await state.store.release(trajectory)  # nothing was sent to the caller yet: a plain HTTP error
         raise
     # From here the turn's own task owns the session and releases it, whatever the caller does.
     return StreamingResponse(
@@ -173,10 +181,11 @@ async def _stream_turn(session_id: str, body: TurnCreate, state: StateDep) -> Re
     },
 )
 async def abort(session_id: str, state: StateDep) -> Response:
-    """Abort the running turn; answers once it has ended (tokens so far folded in, status aborted)."""
+    """Abort the running turns (a chat session's branches may each run one); answers once they have ended (tokens so
+    far folded in, status aborted)."""
     session = await state.store.get(session_id)
-    running = session.running
-    if running is None:
+    turns = [branch.running for branch in session.branches if branch.running is not None]
+    if not turns:
         elsewhere = await state.store.holder(session_id)
         if elsewhere is not None:  # a replica sharing the Redis store runs it: aborts go to the turn's owner
             detail = f"the turn runs on gateway instance {elsewhere}: send the abort to that replica"
@@ -184,9 +193,13 @@ async def abort(session_id: str, state: StateDep) -> Response:
                 session_summary(session) | {"aborted": False, "detail": detail, "instance_id": elsewhere}
             )
         return json_response(session_summary(session) | {"aborted": False, "detail": "no turn running"})
-    running.abort("abort requested by the caller")
-    finished = await running.wait(ABORT_WAIT_S)
-    return json_response(session_summary(session) | {"aborted": True, "rid": running.rid, "finished": finished})
+    for running in turns:
+        running.abort("abort requested by the caller")
+    finished = all(await asyncio.gather(*(running.wait(ABORT_WAIT_S) for running in turns)))
+    rids = [running.rid for running in turns]
+    return json_response(
+        session_summary(session) | {"aborted": True, "rid": rids[0], "rids": rids, "finished": finished}
+    )
 
 
 @router.post(
@@ -199,15 +212,16 @@ async def abort(session_id: str, state: StateDep) -> Response:
     },
 )
 async def append(session_id: str, body: ToolAppendBody, state: StateDep) -> Response:
-    async with state.store.exclusive(session_id) as session:
+    async with state.store.exclusive(session_id) as trajectory:
         if body.sync is not None:
-            session.check_sync(body.sync.total_tokens, body.sync.last_tokens)
-        state.store.check_growth(session, len(body.token_ids))
-        with state.store.growing(session, len(body.token_ids)):
-            session.sample.append_tool_tokens(np.asarray(body.token_ids, dtype=np.int32), body.text)
+            trajectory.check_sync(body.sync.total_tokens, body.sync.last_tokens)
+        state.store.check_growth(trajectory, len(body.token_ids))
+        with state.store.growing(trajectory, len(body.token_ids)):
+            trajectory.sample.append_tool_tokens(np.asarray(body.token_ids, dtype=np.int32), body.text)
+        trajectory.branch.touch()
         state.metrics.turns.labels("tool", "appended").inc()
         state.metrics.folded_tokens.labels("false").inc(len(body.token_ids))
-    return json_response(session_summary(session))  # once released: not busy
+        return json_response(session_summary(trajectory.session))  # once released: not busy
 
 
 @router.get(
@@ -217,7 +231,7 @@ async def append(session_id: str, body: ToolAppendBody, state: StateDep) -> Resp
     responses={**doc.answers(200, "the sample, as safetensors", (doc.SAFETENSORS, doc.BINARY)), **doc.errors(404, 422)},
 )
 async def get_sample(session_id: str, state: StateDep, branch: Annotated[int | None, Query(ge=0)] = None) -> Response:
-    """The live trajectory's sample, or ``?branch=N`` one of a chat session's (``branches`` in the view)."""
+    """The root branch's sample, or ``?branch=N`` one of a chat session's (``branches`` in the view)."""
     payload = sample_payload(await state.store.get(session_id), branch)
     return safetensors_response(await state.run_cpu(payload.nbytes, payload.encode))
 

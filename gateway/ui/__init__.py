@@ -16,18 +16,18 @@ import numpy as np
 import orjson
 
 from gateway.store import Session
-from gateway.views import SamplePayload, sample_metadata, session_branch
+from gateway.views import SamplePayload, sample_payload
 
 Decoder = Callable[[Sequence[int]], list[str]]
 
 
 def inspector_payload(session: Session, branch: int | None) -> SamplePayload:
-    """One trajectory for the inspector (``branch`` None: the live one), taken on the event loop: the arrays are
-    views, safe to encode in another thread (see ``SamplePayload``)."""
-    sample = session_branch(session, branch)
-    metadata = sample_metadata(session, sample)
-    metadata["turn_log"] = orjson.dumps([turn.to_json() for turn in sample.turns]).decode()
-    return SamplePayload(sample.arrays(), metadata)
+    """One branch for the inspector (``branch`` None: the root), taken on the event loop: the arrays are views,
+    safe to encode in another thread (see ``SamplePayload``)."""
+    payload = sample_payload(session, branch)
+    sample = session.branches[int(payload.metadata["branch"])].sample
+    metadata = payload.metadata | {"turn_log": orjson.dumps([turn.to_json() for turn in sample.turns]).decode()}
+    return SamplePayload(payload.arrays, metadata)
 
 
 def encode_with_pieces(payload: SamplePayload, decode: Decoder) -> bytes:

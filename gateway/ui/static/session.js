@@ -595,19 +595,12 @@
 
   // ---- the rest of the page ------------------------------------------------------------------------------------
   function branchInfo() {
-    const view = S.view;
-    const finished = (view.branches || []).map((b) => ({ ...b }));
-    const live = {
-      branch: view.branch, status: view.status, total_tokens: view.total_tokens, prompt_length: view.prompt_length,
-      turns: view.turns, live: true,
-    };
-    const same = finished.find((b) => b.branch === view.branch);
-    if (same) { Object.assign(same, live, same); same.live = true; return finished; }
-    return [...finished, live];
+    // Every branch of the session's tree, the root first (the view's branches[i]: place in the tree, lengths).
+    return (S.view.branches || []).map((b) => ({ ...b }));
   }
 
   const BRANCH_KEYS = ["status", "total_tokens", "turns", "parent", "fork_token", "first_difference", "cause", "drift", "model"];
-  const BRANCH_SKIP = new Set(["branch", "live", "prompt_length", "response_length", "created_at", "updated_at", ...BRANCH_KEYS]);
+  const BRANCH_SKIP = new Set(["branch", "busy", "chat", "last_error", "prompt_length", "response_length", "created_at", "updated_at", ...BRANCH_KEYS]);
 
   function branchLine(b) {
     const parts = [b.status, `${number(b.total_tokens)} tokens`, `${number(b.turns)} turns`];
@@ -636,7 +629,7 @@
       seen.add(b.branch);
       const button = el("button", {
         type: "button", dataset: { branch: String(b.branch) }, on: { click: () => selectBranch(b.branch) },
-      }, `branch ${b.branch}${b.live ? " · live" : ""}`);
+      }, `branch ${b.branch}${b.busy ? " · turn running" : ""}`);
       button.setAttribute("aria-current", String(b.branch === S.branch));
       const children = list(b.branch);
       return el("li", {}, button, el("span", { className: "info" }, branchLine(b)), children.length ? el("ul", {}, ...children) : null);
@@ -648,7 +641,8 @@
     const d = S.d, view = S.view;
     const branches = branchInfo();
     setText("count-status", d.meta.status + (view.busy ? " · turn running" : ""));
-    setText("count-branch", `${S.branch}${S.branch === view.branch ? " (live)" : ""}`);
+    const current = branches.find((b) => b.branch === S.branch) || {};
+    setText("count-branch", `${S.branch}${current.parent !== undefined && current.parent !== null ? ` (from b${current.parent})` : ""}`);
     setText("count-branches", branches.length);
     setText("count-tokens", number(d.N));
     setText("count-prompt", number(d.P));
@@ -658,9 +652,9 @@
     setText("count-routing", d.routed ? `${number(d.R)} rows · ${d.L} layers × top-${d.K} · ${d.E} experts seen` : "none");
     setText("count-topp", d.topOffsets ? `${number(d.topIds.length)} ids kept` : "none");
     setText("count-versions", d.versionTable.length ? d.versionTable.join(", ") : "–");
-    setText("count-error", S.branch === view.branch ? view.last_error || "none" : "–");
+    setText("count-error", current.last_error || "none");
     setText("metadata", JSON.stringify(view.metadata || {}));
-    const sampleQuery = S.branch === view.branch ? "" : `?branch=${S.branch}`;
+    const sampleQuery = S.branch === 0 ? "" : `?branch=${S.branch}`;
     document.getElementById("sample-link").href = `/v1/sessions/${encodeURIComponent(sessionId)}/sample${sampleQuery}`;
     document.getElementById("json-link").href = `/v1/sessions/${encodeURIComponent(sessionId)}`;
   }
