@@ -217,6 +217,24 @@ class Services:
         return self._gateway("gateway (chat)", incremental=True, tokenizer=self.chat_tokenizer)
 
     @property
+    def chat_simulator(self) -> ServerProcess:
+        """A simulator speaking the tiny chat tokenizer, for rows whose model must write text the gateway parses
+        (tool calls): its answers are scripted (``/sim/script``)."""
+        args = [*simulator_args(self.moe), "--tokenizer", str(self.chat_tokenizer)]
+        return self._get("simulator (chat)", ["-m", "gateway.simulator", *args])
+
+    @property
+    def agent_gateway(self) -> ServerProcess:
+        """A chat gateway before ``chat_simulator``: an agent's whole loop, tool calls parsed."""
+        return self._gateway(
+            "gateway (agent)",
+            incremental=True,
+            tokenizer=self.chat_tokenizer,
+            upstream=self.chat_simulator,
+            env={"GATEWAY_CHAT_CONTEXT_TOKENS": "262144"},  # the tiny tokenizer states 32k; long episodes pass it
+        )
+
+    @property
     def chat_tokenizer(self) -> Path:
         """A tokenizer directory with a chat template (``gateway.simulator.tiny_tokenizer``), built once per run in
         a child process (transformers stays out of the bench process) into a temporary directory."""
@@ -258,10 +276,11 @@ class Services:
         incremental: bool,
         tokenizer: Path | None = None,
         env: Mapping[str, str] | None = None,
+        upstream: ServerProcess | None = None,
     ) -> ServerProcess:
-        upstream = self.simulator.url
+        upstream_url = (upstream or self.simulator).url
         env = {"GATEWAY_INCREMENTAL_ROUTING": "true" if incremental else "false", **(env or {})}
-        args = ["-m", "gateway", "--upstream-url", upstream, "--log-level", "warning"]
+        args = ["-m", "gateway", "--upstream-url", upstream_url, "--log-level", "warning"]
         if tokenizer is not None:
             args += ["--tokenizer", str(tokenizer)]
         return self._get(name, args, env)

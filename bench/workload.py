@@ -164,6 +164,16 @@ class RedisTurnShape:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentLoopShape:
+    """Row 18: one agent session, ``turns`` chat completions of a tool loop (each answer a tool call, each result
+    ``tool_result_bytes`` of text, the whole history sent every turn), the gateway's CPU per turn early and late."""
+
+    turns: int = 128
+    tool_result_bytes: int = 1_024
+    window: int = 9  # turns averaged at each end: 2-10 and 120-128
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaShape:
     """Row 15: ``sessions`` concurrent agent loops (create, generate, append, generate, fetch the sample, delete),
     ``loops`` each per measurement, against one gateway replica or two sharing one Redis."""
@@ -196,6 +206,7 @@ class Suite:
     chat_turn: ChatTurnShape
     redis_turn: RedisTurnShape
     replicas: ReplicaShape
+    agent_loop: AgentLoopShape = AgentLoopShape()
 
     @property
     def moe(self) -> MoE:
@@ -240,6 +251,7 @@ QUICK = Suite(
         prompt_tokens=256, response_tokens=1_024, tool_tokens=32, second_response_tokens=128, rounds=2
     ),
     replicas=ReplicaShape(sessions=4, loops=1, prompt_tokens=128, turn_tokens=128, tool_tokens=16, rounds=1),
+    agent_loop=AgentLoopShape(turns=24, tool_result_bytes=512, window=4),
 )
 
 

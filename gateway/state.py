@@ -34,9 +34,10 @@ class GatewayState:
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = field(default_factory=time.time)
 
-    async def run_cpu(self, size: int, fn: Callable[[], T]) -> T:
-        """Run CPU work (decode, encode) in the pool when it is big enough to stall the event loop."""
-        if size < self.settings.decode_offload_bytes:
+    async def run_cpu(self, size: int, fn: Callable[[], T], *, threshold: int | None = None) -> T:
+        """Run CPU work (decode, encode) in the pool when it is big enough to stall the event loop: ``size`` past
+        ``threshold`` (default: decode_offload_bytes, set for the upstream's answers)."""
+        if size < (self.settings.decode_offload_bytes if threshold is None else threshold):
             return fn()
         return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn)
 

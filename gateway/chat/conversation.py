@@ -20,7 +20,7 @@ re-rendered as the template renders it now, on a new branch).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -45,6 +45,10 @@ class ChatRecord:
     # Per message: the id of the answer that carried it when the model wrote it and the client may continue from it
     # (the Responses API's previous_response_id), else None.
     responses: tuple[str | None, ...] = ()
+    tools_key: bytes = field(init=False, repr=False)  # compared with every request's: made once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tools_key", tools_key(self.tools))
 
     def find_response(self, response_id: str) -> int | None:
         """How many leading messages make up the conversation as of the answer ``response_id`` (None: no such
@@ -53,10 +57,6 @@ class ChatRecord:
             if known == response_id:
                 return i + 1
         return None
-
-    @property
-    def tools_key(self) -> bytes:
-        return tools_key(self.tools)
 
     def common_prefix(self, request: ChatRequest) -> int:
         """How many leading messages of ``request`` are the record's (none when the tools differ: they are part of
@@ -159,9 +159,24 @@ def _message_from_json(value: dict[str, Any]) -> ChatMessage:
     )
 
 
-def plan_chat(
-    template: ChatTemplate, session: Session, request: ChatRequest, policy: DriftPolicy, rewrite: RewritePolicy
-) -> ChatPlan:
+@dataclass(frozen=True, slots=True)
+class Match:
+    """Where a request stands against the session's tree, before any rendering: it renders the whole conversation
+    (``history`` 0: the session's first, or a new root), or continues after its first ``history`` messages, which
+    are ``source``'s record's (the branch itself when ``fork`` is False)."""
+
+    source: Branch | None  # the branch whose record the request shares ``history`` messages with
+    history: int
+    fork: bool  # a new branch: from ``source`` (when ``history``), else a new root
+    first_difference: int | None = None
+
+    @property
+    def renders_all(self) -> bool:
+        return self.history == 0
+
+
+def match_request(session: Session, request: ChatRequest, policy: DriftPolicy) -> Match:
+    """Match the request against every branch's record (message by message: O(its messages), no rendering)."""
     root = session.branches[0]
     chats = [branch for branch in session.branches if branch.record is not None]
     if not chats:
@@ -170,15 +185,14 @@ def plan_chat(
                 f"session {session.session_id!r} was created with prompt_ids: chat requests need a session created "
                 "without them (its first chat request renders the prompt)"
             )
-        prompt = template.prompt(request.messages, request.tools)
         if not root.busy:  # the session's first conversation: the root branch
-            return ChatPlan(root, None, 0, 0, prompt, as_prompt=True)
-        return ChatPlan(None, None, 0, 0, prompt, as_prompt=True, first_difference=0, cause="new_root")
+            return Match(root, 0, fork=False)
+        return Match(None, 0, fork=True, first_difference=0)
     common = {branch: branch.record.common_prefix(request) for branch in chats}
     extended = [b for b in chats if common[b] == len(b.record.messages)]  # a record's last message is the model's
     if extended:
         branch = max(extended, key=lambda b: (len(b.record.messages), b.updated_at))
-        return _continue(template, branch, request, len(branch.record.messages), rewrite)
+        return Match(branch, len(branch.record.messages), fork=False)
     if policy == "reject":
         closest = max(chats, key=lambda b: common[b])
         raise HistoryMismatch(
@@ -191,21 +205,41 @@ def plan_chat(
     points = {branch: branch.record.branch_point(common[branch]) for branch in chats}
     parent = max(chats, key=lambda b: (points[b], b.updated_at))
     if not points[parent]:
+        return Match(None, 0, fork=True, first_difference=max(common.values()))
+    return Match(parent, points[parent], fork=True, first_difference=common[parent])
+
+
+def plan_match(template: ChatTemplate, match: Match, request: ChatRequest, rewrite: RewritePolicy) -> ChatPlan:
+    """Render what the request adds where ``match`` put it."""
+    if match.renders_all:
         prompt = template.prompt(request.messages, request.tools)
-        first_difference = max(common.values())
-        return ChatPlan(None, None, 0, 0, prompt, True, first_difference=first_difference, cause="new_root")
-    plan = _continue(template, parent, request, points[parent], rewrite)
+        if not match.fork:
+            return ChatPlan(match.source, None, 0, 0, prompt, as_prompt=True)
+        return ChatPlan(None, None, 0, 0, prompt, True, first_difference=match.first_difference, cause="new_root")
+    parent = match.source
+    assert parent is not None
+    plan = _continue(template, parent, request, match.history, rewrite)
+    if not match.fork:
+        return plan
     if plan.branch is None:  # re-rendered: a new branch already
-        return replace(plan, first_difference=common[parent])
+        return replace(plan, first_difference=match.first_difference)
     return replace(
         plan,
         branch=None,
         parent=parent,
-        fork_at=parent.record.ends[points[parent] - 1],
-        first_difference=common[parent],
+        fork_at=parent.record.ends[match.history - 1],
+        first_difference=match.first_difference,
         cause=plan.cause or "edited_history",
         record=None,
     )
+
+
+def render_size(template: ChatTemplate, match: Match, request: ChatRequest, rewrite: RewritePolicy) -> int:
+    """Characters the template will render for this request (what decides whether it is done off the event loop):
+    only the new messages when the history's local context is enough."""
+    local = rewrite == "append" and template.renders_locally
+    messages = request.messages[match.history :] if local and match.history else request.messages
+    return sum(m.text_size for m in messages)
 
 
 def _continue(
@@ -220,7 +254,10 @@ def _continue(
     # The recorded messages, not the request's: the same messages (``same_message``), but as the model wrote them
     # (a client may have dropped their reasoning).
     done, new = record.messages[:history], request.messages[history:]
-    continuation = template.continuation(done, new, request.tools, last_token=int(tokens[end - 1]))
+    # Under ``append`` only the history's local context is rendered (O(new messages) per turn); ``fork`` must see
+    # a rewrite anywhere in the history, so it renders all of it.
+    local = rewrite == "append" and template.renders_locally
+    continuation = template.continuation(done, new, request.tools, last_token=int(tokens[end - 1]), local=local)
     if continuation.rendered is None or (continuation.rewrote and rewrite == "fork"):
         return _rerendered(template, branch, tokens, replace(request, messages=(*done, *new)))
     cause: DriftCause | None = "rewrite" if continuation.rewrote else None

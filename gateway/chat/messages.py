@@ -8,8 +8,10 @@ them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Literal
 
+import msgspec
 import orjson
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -17,8 +19,7 @@ ToolChoice = Literal["none", "auto", "required"] | str  # a str other than the t
 Api = Literal["openai", "anthropic", "responses"]
 
 
-@dataclass(frozen=True, slots=True)
-class ToolCall:
+class ToolCall(msgspec.Struct, frozen=True):
     id: str
     name: str
     arguments: str  # a JSON object, as text (as the OpenAI API carries it)
@@ -37,8 +38,10 @@ class ToolCall:
         return self.name == other.name and self.arguments_value() == other.arguments_value()
 
 
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
+class ChatMessage(msgspec.Struct, frozen=True):
+    """One message. A msgspec Struct rather than a dataclass: an agent's request carries its whole history, hundreds
+    of messages made anew each turn, and a Struct is made ~5x faster."""
+
     role: Role
     content: str = ""  # text parts joined; "" when there is none
     tool_calls: tuple[ToolCall, ...] = ()
@@ -95,11 +98,10 @@ class ChatMessage:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class Tool:
+class Tool(msgspec.Struct, frozen=True):
     name: str
     description: str = ""
-    parameters: dict[str, Any] = field(default_factory=dict)  # a JSON schema
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)  # a JSON schema
 
     def template_dict(self) -> dict[str, Any]:
         """The OpenAI function-tool form, which Hugging Face chat templates render."""
@@ -139,7 +141,7 @@ def order_tool_results(messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, 
     return tuple(out)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ChatRequest:
     """One chat request, validated and translated: what the conversation logic and the turn need."""
 
@@ -158,7 +160,7 @@ class ChatRequest:
     # The API-specific answer options the adapters need back (Responses: include, instructions, tools as sent).
     options: dict[str, Any] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def tools_key(self) -> bytes:
         return tools_key(self.tools)
 

@@ -14,17 +14,19 @@ import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
-from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError
+from msgspec import Meta
 
 from gateway.chat.api import (
     MAX_MESSAGES,
+    MAX_PARTS,
     MAX_TOOLS,
     ApiModel,
     ChatRequestError,
     HostedTools,
-    Number,
+    Id,
+    ToolName,
+    decode,
     error_status,
-    validation_error,
 )
 from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, Tool, ToolCall
 from gateway.chat.service import ChatResult, StreamEvent
@@ -34,82 +36,78 @@ if TYPE_CHECKING:
     from gateway.turns import StreamTurn
 
 
-class TextPart(ApiModel):
+class TextPart(ApiModel, kw_only=True):
     type: Literal["text"]
-    text: StrictStr
+    text: str
 
 
-Content = StrictStr | Annotated[list[TextPart], Field(max_length=1024)] | None
+Content = str | Annotated[list[TextPart], Meta(max_length=MAX_PARTS)] | None
 
 
-class FunctionCall(ApiModel):
-    name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
-    arguments: StrictStr
+class FunctionCall(ApiModel, kw_only=True):
+    name: Id
+    arguments: str
 
 
-class ToolCallIn(ApiModel):
-    id: Annotated[StrictStr, Field(max_length=256)]
+class ToolCallIn(ApiModel, kw_only=True):
+    id: Annotated[str, Meta(max_length=256)]
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class MessageIn(ApiModel):
+class MessageIn(ApiModel, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
-    name: Annotated[StrictStr, Field(max_length=256)] | None = None
-    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
-    tool_call_id: Annotated[StrictStr, Field(max_length=256)] | None = None
-    reasoning_content: StrictStr | None = None
-    reasoning: StrictStr | None = None  # vLLM's newer name for the same
+    name: Annotated[str, Meta(max_length=256)] | None = None
+    tool_calls: Annotated[list[ToolCallIn], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for the same
 
 
-class FunctionDef(ApiModel):
-    name: Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:-]+$")]
-    description: StrictStr = ""
+class FunctionDef(ApiModel, kw_only=True):
+    name: ToolName
+    description: str = ""
     parameters: dict[str, Any] | None = None
 
 
-class ToolIn(ApiModel):
+class ToolIn(ApiModel, kw_only=True):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedToolChoice(ApiModel):
+class NamedToolChoice(ApiModel, kw_only=True):
     type: Literal["function"]
-    function: FunctionCall | dict[str, Any]
+    function: dict[str, Any]
 
 
-class StreamOptions(ApiModel):
-    include_usage: StrictBool = False
+class StreamOptions(ApiModel, kw_only=True):
+    include_usage: bool = False
 
 
-class ChatCompletionRequest(ApiModel):
-    messages: Annotated[list[MessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
-    model: StrictStr | None = None
-    tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
+class ChatCompletionRequest(ApiModel, kw_only=True):
+    messages: Annotated[list[MessageIn], Meta(min_length=1, max_length=MAX_MESSAGES)]
+    model: str | None = None
+    tools: Annotated[list[ToolIn], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None  # not OpenAI's, but SGLang's and vLLM's servers take it
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
-    seed: StrictInt | None = None
-    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
-    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
-    n: Annotated[StrictInt, Field(ge=1)] | None = None
-    stream: StrictBool = False
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None  # not OpenAI's, but SGLang's and vLLM's servers take it
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
+    seed: int | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    n: Annotated[int, Meta(ge=1)] | None = None
+    stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
-    logprobs: StrictBool | None = None
+    logprobs: bool | None = None
 
 
 def parse_request(raw: bytes, hosted: HostedTools | None = None) -> ChatRequest:
-    try:
-        body = ChatCompletionRequest.model_validate_json(raw or b"{}")
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    return to_chat_request(body)
+    return to_chat_request(decode(raw, ChatCompletionRequest))
 
 
 def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
@@ -178,7 +176,7 @@ def _tool_choice(body: ChatCompletionRequest, names: set[str]) -> str:
         if choice != "none" and not names:
             raise ChatRequestError(f"tool_choice {choice!r} needs tools", param="tool_choice")
         return choice
-    name = choice.function.name if isinstance(choice.function, FunctionCall) else choice.function.get("name")
+    name = choice.function.get("name")
     if not isinstance(name, str) or name not in names:
         raise ChatRequestError(f"tool_choice names an unknown tool {name!r}", param="tool_choice")
     return name

@@ -29,17 +29,21 @@ import binascii
 import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import msgspec
 import orjson
-from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, ValidationError
+from msgspec import Meta
 
 from gateway.chat.api import (
     MAX_MESSAGES,
+    MAX_PARTS,
     MAX_TOOLS,
     ApiModel,
     ChatRequestError,
     HostedTools,
-    Number,
-    validation_error,
+    Id,
+    ToolName,
+    convert,
+    decode,
 )
 from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, Tool, ToolCall
 from gateway.chat.openai import error_body as openai_error_body
@@ -51,170 +55,172 @@ if TYPE_CHECKING:
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 _ENCODED_PREFIX = "sgw1."
-_NAME = Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:-]+$")]
 
 
 # ---- the request -----------------------------------------------------------------------------------------------
-class TextPart(ApiModel):
-    type: Literal["input_text", "output_text", "text"]
-    text: StrictStr
+class Part(ApiModel, tag_field="type", kw_only=True):
+    """A content part, told apart by its ``type``."""
 
 
-class RefusalPart(ApiModel):
-    type: Literal["refusal"]
-    refusal: StrictStr
+class InputText(Part, tag="input_text", kw_only=True):
+    text: str
 
 
-class MediaPart(ApiModel):
-    type: Literal["input_image", "input_file", "input_audio"]
+class OutputText(Part, tag="output_text", kw_only=True):
+    text: str
 
 
-Part = Annotated[TextPart | RefusalPart | MediaPart, Field(discriminator="type")]
-Content = StrictStr | Annotated[list[Part], Field(max_length=1024)]
+class PlainText(Part, tag="text", kw_only=True):
+    text: str
 
 
-class MessageItem(ApiModel):
-    type: Literal["message"] = "message"
+class Refusal(Part, tag="refusal", kw_only=True):
+    refusal: str
+
+
+class InputImage(Part, tag="input_image", kw_only=True):
+    pass
+
+
+class InputFile(Part, tag="input_file", kw_only=True):
+    pass
+
+
+class InputAudio(Part, tag="input_audio", kw_only=True):
+    pass
+
+
+TextParts = InputText | OutputText | PlainText
+MediaParts = InputImage | InputFile | InputAudio
+Content = str | Annotated[list[InputText | OutputText | PlainText | Refusal | MediaParts], Meta(max_length=MAX_PARTS)]
+
+
+class Item(ApiModel, tag_field="type", kw_only=True):
+    """An input item, told apart by its ``type`` (a message when it has none)."""
+
+
+class MessageItem(Item, tag="message", kw_only=True):
     role: Literal["user", "assistant", "system", "developer"]
     content: Content
 
 
-class FunctionCallItem(ApiModel):
-    type: Literal["function_call"]
-    call_id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
-    name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
-    arguments: StrictStr
-    namespace: StrictStr | None = None
+class FunctionCallItem(Item, tag="function_call", kw_only=True):
+    call_id: Id
+    name: Id
+    arguments: str
+    namespace: str | None = None
 
 
-class CustomToolCallItem(ApiModel):
-    type: Literal["custom_tool_call"]
-    call_id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
-    name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
-    input: StrictStr
-    namespace: StrictStr | None = None
+class CustomToolCallItem(Item, tag="custom_tool_call", kw_only=True):
+    call_id: Id
+    name: Id
+    input: str
+    namespace: str | None = None
 
 
-class ToolOutputItem(ApiModel):
-    type: Literal["function_call_output", "custom_tool_call_output"]
-    call_id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+class FunctionCallOutputItem(Item, tag="function_call_output", kw_only=True):
+    call_id: Id
     output: Content
 
 
-class ReasoningText(ApiModel):
-    type: Literal["reasoning_text", "summary_text"]
-    text: StrictStr
+class CustomToolCallOutputItem(Item, tag="custom_tool_call_output", kw_only=True):
+    call_id: Id
+    output: Content
 
 
-class ReasoningItem(ApiModel):
-    type: Literal["reasoning"]
-    summary: Annotated[list[ReasoningText], Field(max_length=1024)] = Field(default_factory=list)
-    content: Annotated[list[ReasoningText], Field(max_length=1024)] | None = None
-    encrypted_content: StrictStr | None = None
+class ReasoningPart(ApiModel, tag_field="type", kw_only=True):
+    text: str
 
 
-class OtherItem(ApiModel):
-    type: StrictStr
+class ReasoningText(ReasoningPart, tag="reasoning_text", kw_only=True):
+    pass
 
 
-def _item_kind(value: Any) -> str:
-    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
-    known = {"message", "function_call", "custom_tool_call", "reasoning"}
-    if kind in known:
-        return kind
-    return "tool_output" if kind in ("function_call_output", "custom_tool_call_output") else "other"
+class SummaryText(ReasoningPart, tag="summary_text", kw_only=True):
+    pass
 
 
-Item = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
-    | Annotated[ToolOutputItem, Tag("tool_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")]
-    | Annotated[OtherItem, Tag("other")],
-    Discriminator(_item_kind),
-]
+class ReasoningItem(Item, tag="reasoning", kw_only=True):
+    summary: Annotated[list[ReasoningText | SummaryText], Meta(max_length=MAX_PARTS)] = msgspec.field(
+        default_factory=list
+    )
+    content: Annotated[list[ReasoningText | SummaryText], Meta(max_length=MAX_PARTS)] | None = None
+    encrypted_content: str | None = None
 
 
-class FunctionToolIn(ApiModel):
-    type: Literal["function"]
-    name: _NAME
-    description: StrictStr | None = None
+AnyItem = (
+    MessageItem
+    | FunctionCallItem
+    | CustomToolCallItem
+    | FunctionCallOutputItem
+    | CustomToolCallOutputItem
+    | ReasoningItem
+)
+ITEM_TYPES = frozenset(cls.__struct_config__.tag for cls in AnyItem.__args__)
+
+
+class ToolKind(ApiModel, tag_field="type", kw_only=True):
+    """A tool the model may be shown, told apart by its ``type`` (anything else is a hosted tool)."""
+
+
+class FunctionToolIn(ToolKind, tag="function", kw_only=True):
+    name: ToolName
+    description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
+    strict: bool | None = None
 
 
-class CustomToolIn(ApiModel):
-    type: Literal["custom"]
-    name: _NAME
-    description: StrictStr | None = None
+class CustomToolIn(ToolKind, tag="custom", kw_only=True):
+    name: ToolName
+    description: str | None = None
 
 
-class NamespaceToolIn(ApiModel):
-    type: Literal["namespace"]
-    name: _NAME
-    description: StrictStr = ""
-    tools: Annotated[
-        list[Annotated[FunctionToolIn | CustomToolIn, Field(discriminator="type")]], Field(max_length=MAX_TOOLS)
-    ]
+class NamespaceToolIn(ToolKind, tag="namespace", kw_only=True):
+    name: ToolName
+    description: str = ""
+    tools: Annotated[list[FunctionToolIn | CustomToolIn], Meta(max_length=MAX_TOOLS)]
 
 
-class HostedToolIn(ApiModel):
-    type: StrictStr
+ShownTool = FunctionToolIn | CustomToolIn | NamespaceToolIn
+TOOL_TYPES = frozenset(cls.__struct_config__.tag for cls in ShownTool.__args__)
 
 
-def _tool_kind(value: Any) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in ("function", "custom", "namespace") else "hosted"
-
-
-ToolIn = Annotated[
-    Annotated[FunctionToolIn, Tag("function")]
-    | Annotated[CustomToolIn, Tag("custom")]
-    | Annotated[NamespaceToolIn, Tag("namespace")]
-    | Annotated[HostedToolIn, Tag("hosted")],
-    Discriminator(_tool_kind),
-]
-
-
-class NamedToolChoice(ApiModel):
+class NamedToolChoice(ApiModel, kw_only=True):
     type: Literal["function", "custom"]
-    name: StrictStr
+    name: str
 
 
-class TextFormat(ApiModel):
-    type: StrictStr = "text"
+class TextFormat(ApiModel, kw_only=True):
+    type: str = "text"
 
 
-class TextOptions(ApiModel):
+class TextOptions(ApiModel, kw_only=True):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(ApiModel):
-    input: StrictStr | Annotated[list[Item], Field(min_length=1, max_length=MAX_MESSAGES)]
-    model: StrictStr | None = None
-    instructions: StrictStr | None = None
-    tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool | None = None
-    max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
-    stream: StrictBool = False
-    store: StrictBool = True
-    previous_response_id: StrictStr | None = None
-    include: Annotated[list[StrictStr], Field(max_length=64)] | None = None
+class ResponsesRequest(ApiModel, kw_only=True):
+    # Items and tools are checked one by one (``_items``, ``_tools``): an item without a ``type`` is a message, a
+    # tool of another type a hosted one, which a tagged union cannot say.
+    input: str | Annotated[list[dict[str, Any]], Meta(min_length=1, max_length=MAX_MESSAGES)]
+    model: str | None = None
+    instructions: str | None = None
+    tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    include: Annotated[list[str], Meta(max_length=64)] | None = None
     text: TextOptions | None = None
-    background: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    background: bool | None = None
+    top_logprobs: int | None = None
 
 
 def parse_request(raw: bytes, hosted: HostedTools | None = None) -> ChatRequest:
-    try:
-        body = ResponsesRequest.model_validate_json(raw or b"{}")
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    return to_chat_request(body, hosted)
+    return to_chat_request(decode(raw, ResponsesRequest), hosted)
 
 
 def to_chat_request(body: ResponsesRequest, hosted: HostedTools | None = None) -> ChatRequest:
@@ -227,7 +233,7 @@ def to_chat_request(body: ResponsesRequest, hosted: HostedTools | None = None) -
     continues = _continued_rid(body.previous_response_id)
     if body.instructions is not None and continues is None:
         messages.append(ChatMessage("system", body.instructions))
-    messages.extend(_input_messages(body.input, kinds))
+    messages.extend(_input_messages(body.input if isinstance(body.input, str) else _items(body.input)))
     params: dict[str, Any] = {}
     for key, value in (("temperature", body.temperature), ("top_p", body.top_p)):
         if value is not None:
@@ -253,6 +259,20 @@ def to_chat_request(body: ResponsesRequest, hosted: HostedTools | None = None) -
     )
 
 
+def _items(values: list[dict[str, Any]]) -> list[AnyItem]:
+    items = []
+    for i, value in enumerate(values):
+        kind = value.get("type", "message")
+        if kind not in ITEM_TYPES:
+            raise ChatRequestError(
+                f"input.{i}: input items of type {kind!r:.80} are not supported here (messages, function calls and "
+                "their outputs, reasoning)",
+                param=f"input.{i}",
+            )
+        items.append(convert(value if "type" in value else {**value, "type": kind}, AnyItem, f"input.{i}"))
+    return items
+
+
 def _refuse_unsupported(body: ResponsesRequest) -> None:
     if body.background:
         raise ChatRequestError(
@@ -275,9 +295,11 @@ def _continued_rid(previous_response_id: str | None) -> str | None:
     return previous_response_id.removeprefix("resp_") if previous_response_id.startswith("resp_") else "\x00"
 
 
-def _tools(tools: Any, hosted: HostedTools | None) -> tuple[tuple[Tool, ...], dict[str, tuple[str, str | None]]]:
+def _tools(
+    values: list[dict[str, Any]] | tuple[()], hosted: HostedTools | None
+) -> tuple[tuple[Tool, ...], dict[str, tuple[str, str | None]]]:
     """The tools the model is shown, and each one's kind (``function`` or ``custom``) and namespace by the name the
-    model calls it."""
+    model calls it; hosted tools are left out."""
     out: list[Tool] = []
     kinds: dict[str, tuple[str, str | None]] = {}
 
@@ -291,13 +313,16 @@ def _tools(tools: Any, hosted: HostedTools | None) -> tuple[tuple[Tool, ...], di
         out.append(Tool(name, description, parameters))
         kinds[name] = ("custom" if isinstance(tool, CustomToolIn) else "function", namespace)
 
-    for tool in tools:
+    for i, value in enumerate(values):
+        kind = value.get("type")
+        if kind not in TOOL_TYPES:
+            if hosted is not None:
+                hosted.left_out("responses", str(kind)[:80])
+            continue
+        tool = convert(value, ShownTool, f"tools.{i}")
         if isinstance(tool, NamespaceToolIn):
             for inner in tool.tools:
                 add(inner, tool.name)
-        elif isinstance(tool, HostedToolIn):
-            if hosted is not None:
-                hosted.left_out("responses", tool.type)
         else:
             add(tool, None)
     return tuple(out), kinds
@@ -311,10 +336,11 @@ def _tool_choice(body: ResponsesRequest, names: set[str]) -> str:
         if choice == "required" and not names:
             raise ChatRequestError("tool_choice 'required' needs tools", param="tool_choice")
         return choice if names else "none"
-    if isinstance(choice, NamedToolChoice):
-        if choice.name not in names:
-            raise ChatRequestError(f"tool_choice names an unknown tool {choice.name!r}", param="tool_choice")
-        return choice.name
+    if choice.get("type") in ("function", "custom"):
+        named = convert(choice, NamedToolChoice, "tool_choice")
+        if named.name not in names:
+            raise ChatRequestError(f"tool_choice names an unknown tool {named.name!r}", param="tool_choice")
+        return named.name
     if choice.get("type") == "allowed_tools":
         return "required" if choice.get("mode") == "required" else "auto"
     raise ChatRequestError(f"tool_choice {choice.get('type')!r} is not supported here", param="tool_choice")
@@ -325,9 +351,13 @@ def _text(content: str | list[Any], where: str) -> str:
         return content
     texts = []
     for part in content:
-        if isinstance(part, MediaPart):
-            raise ChatRequestError(f"{where}: {part.type} is not supported: the served model reads text", param=where)
-        texts.append(part.text if isinstance(part, TextPart) else part.refusal)
+        if isinstance(part, Refusal):
+            texts.append(part.refusal)
+        elif isinstance(part, InputText | OutputText | PlainText):
+            texts.append(part.text)
+        else:
+            kind = type(part).__struct_config__.tag
+            raise ChatRequestError(f"{where}: {kind} is not supported: the served model reads text", param=where)
     return "\n".join(texts)
 
 
@@ -344,7 +374,7 @@ class _Answer:
         return ChatMessage("assistant", self.content or "", tuple(self.calls), reasoning=self.reasoning)
 
 
-def _input_messages(value: str | list[Any], kinds: dict[str, tuple[str, str | None]]) -> list[ChatMessage]:
+def _input_messages(value: str | list[AnyItem]) -> list[ChatMessage]:
     if isinstance(value, str):
         return [ChatMessage("user", value)]
     out: list[ChatMessage] = []
@@ -375,15 +405,9 @@ def _input_messages(value: str | list[Any], kinds: dict[str, tuple[str, str | No
             flush()
             role = "system" if item.role in ("system", "developer") else "user"
             out.append(ChatMessage(role, _text(item.content, where)))  # type: ignore[arg-type]
-        elif isinstance(item, ToolOutputItem):
+        else:
             flush()
             out.append(ChatMessage("tool", _text(item.output, where), tool_call_id=item.call_id))
-        else:
-            raise ChatRequestError(
-                f"{where}: input items of type {item.type!r} are not supported here (messages, function calls and "
-                "their outputs, reasoning)",
-                param=where,
-            )
     flush()
     if not out:
         raise ChatRequestError("input holds no message", param="input")
@@ -401,7 +425,7 @@ def _reasoning_text(item: ReasoningItem) -> str | None:
     """The reasoning a reasoning item carries: its text, or the gateway's own encoding of it; None when it carries
     only a summary or another server's encoding (the client dropped the reasoning)."""
     if item.content:
-        return "\n".join(part.text for part in item.content if part.type == "reasoning_text")
+        return "\n".join(part.text for part in item.content if isinstance(part, ReasoningText))
     if item.encrypted_content and item.encrypted_content.startswith(_ENCODED_PREFIX):
         try:
             return base64.urlsafe_b64decode(item.encrypted_content[len(_ENCODED_PREFIX) :]).decode()
@@ -425,7 +449,7 @@ def _echo(body: ResponsesRequest) -> dict[str, Any]:
         "temperature": body.temperature,
         "top_p": body.top_p,
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
-        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
+        "tools": body.tools or [],
     }
 
 

@@ -15,6 +15,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
+
 from gateway.chat.api import ChatRequestError, HostedTools, check_history
 from gateway.chat.conversation import (
     ChatPlan,
@@ -22,8 +24,10 @@ from gateway.chat.conversation import (
     RewritePolicy,
     apply_plan,
     find_response,
-    plan_chat,
+    match_request,
+    plan_match,
     record_reply,
+    render_size,
 )
 from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, order_tool_results
 from gateway.chat.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
@@ -202,18 +206,16 @@ class ChatService:
         if message.role != "assistant" or message.reasoning is not None or self.reasoning.start not in message.content:
             return message
         reasoning, content = self.reasoning.split(message.content, inside=False)
-        return replace(message, reasoning=reasoning, content=content)
+        return msgspec.structs.replace(message, reasoning=reasoning, content=content)
 
     async def _plan(
         self, state: GatewayState, session: Session, request: ChatRequest, *, check_context: bool = True
     ) -> ChatPlan:
-        # The template renders the whole history (twice, for a continuation): off the loop when it is long.
-        size = sum(m.text_size for m in request.messages)
         settings = self.settings
-        plan = await state.run_cpu(
-            size,
-            lambda: plan_chat(self.template, session, request, settings.drift_policy, settings.rewrite_policy),
-        )
+        match = match_request(session, request, settings.drift_policy)  # comparisons only: on the loop
+        # The template and the tokenizer: off the loop when what they render is long.
+        size = render_size(self.template, match, request, settings.rewrite_policy)
+        plan = await state.run_cpu(size, lambda: plan_match(self.template, match, request, settings.rewrite_policy))
         if check_context:
             self._check_context(plan.tokens_after(), request.max_tokens)
         return plan
@@ -335,12 +337,12 @@ def merge_late_system_messages(messages: tuple[ChatMessage, ...]) -> tuple[ChatM
     for i, message in enumerate(messages):
         if message.role == "system" and i > 0:
             if out and out[-1].role == "user":
-                out[-1] = replace(out[-1], content=f"{out[-1].content}\n\n{message.content}")
+                out[-1] = msgspec.structs.replace(out[-1], content=f"{out[-1].content}\n\n{message.content}")
             else:
                 pending.append(message.content)
             continue
         if pending and message.role == "user":
-            message = replace(message, content="\n\n".join([*pending, message.content]))
+            message = msgspec.structs.replace(message, content="\n\n".join([*pending, message.content]))
             pending = []
         out.append(message)
     if pending:

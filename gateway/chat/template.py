@@ -17,9 +17,10 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from gateway.chat.messages import ChatMessage, Tool
@@ -61,6 +62,7 @@ class ChatTemplate:
         self._probe = f"\x00slime-gateway-probe-{uuid.uuid4().hex}\x00"
         self.assistant_close = self._assistant_close()
         self.renders_system_anywhere = self._renders_system_anywhere()
+        self.renders_locally = self._renders_locally()
 
     @classmethod
     def load(cls, path: str) -> ChatTemplate:
@@ -82,6 +84,13 @@ class ChatTemplate:
             if template.renders_system_anywhere
             else "not rendered by the template: they are merged into a neighbouring user message",
         )
+        if not template.renders_locally:
+            log.warning(
+                "chat: the template of %s renders new messages differently depending on messages further back than "
+                "the last user turn and the last two messages: every chat turn renders the whole conversation "
+                "(its cost grows with the history)",
+                path,
+            )
         return template
 
     # ---- rendering -------------------------------------------------------------------------------------------
@@ -115,6 +124,7 @@ class ChatTemplate:
         tools: Sequence[Tool],
         *,
         last_token: int,
+        local: bool = False,
     ) -> Continuation:
         """The tokens that follow a history whose last message the model wrote (ending in ``last_token``): the rest
         of that message's closing the model did not write (the template's text after an assistant message, less the
@@ -125,9 +135,16 @@ class ChatTemplate:
         message stands alone (its tool calls and closing) is cut from what follows it when the new messages come
         after. Whether the template rendered the earlier messages differently once new ones follow (a template that
         drops earlier reasoning, Qwen3-style) is reported as ``rewrote``; ``text`` is None when the probe cannot
-        split the rendering (the template changed the last message's own closing)."""
+        split the rendering (the template changed the last message's own closing).
+
+        ``local``: render the history's local context only (``local_context``) rather than all of it, so that a turn
+        costs O(its new messages), not O(the conversation); exact for templates that pass ``renders_locally``.
+        Rewrites are then seen where they touch the local context (the last message: Qwen3-style templates drop
+        its reasoning once a new user turn follows), not beyond."""
         started = time.perf_counter()
-        probed = [*history[:-1], replace(history[-1], content=history[-1].content + self._probe)]
+        if local:
+            history = local_context(history)
+        probed = [*history[:-1], msgspec.structs.replace(history[-1], content=history[-1].content + self._probe)]
         alone = self.render_text(probed, tools, generation_prompt=False)
         full = self.render_text([*probed, *new], tools, generation_prompt=True)
         at_alone, at_full = alone.find(self._probe), full.find(self._probe)
@@ -140,6 +157,25 @@ class ChatTemplate:
             return Continuation(None, rewrote=True, render_s=time.perf_counter() - started)
         text = self.unwritten_close(last_token) + after[len(rest) :]
         return Continuation(Rendered(self.encode(text), text, time.perf_counter() - started), rewrote=rewrote)
+
+    def _renders_locally(self) -> bool:
+        """Whether a continuation rendered from the history's local context is the one rendered from the whole
+        history, on conversations of the shapes agents make (tool loops, parallel calls, several user turns, system
+        messages in the middle, reasoning): checked once, at load. A template whose rendering of new messages looks
+        further back than ``local_context`` fails it, and every turn renders the whole history (O(the
+        conversation) per turn: the log says so)."""
+        try:
+            for history, new, tools in _LOCALITY_PROBES:
+                if history[-1].role != "assistant":
+                    continue
+                whole = self.continuation(history, new, tools, last_token=-1)
+                near = self.continuation(history, new, tools, last_token=-1, local=True)
+                texts = (None if c.rendered is None else c.rendered.text for c in (whole, near))
+                if next(texts) != next(texts) or whole.rewrote != near.rewrote:
+                    return False
+        except ChatTemplateError:
+            return False
+        return True
 
     def count(self, messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> int:
         """Tokens of the whole conversation as the template renders it for the model's answer."""
@@ -170,3 +206,49 @@ class ChatTemplate:
             return self._probe in self.render_text(probe, (), generation_prompt=True)
         except ChatTemplateError:
             return False
+
+
+def local_context(history: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """What a template needs of a history to render what follows it: the leading system message, the last user
+    message (templates place reasoning and tool turns relative to the last user query) and the last two messages (the
+    last one's closing, tool-result grouping), in their order."""
+    keep = {len(history) - 2, len(history) - 1}
+    if history and history[0].role == "system":
+        keep.add(0)
+    last_user = next((i for i in range(len(history) - 1, -1, -1) if history[i].role == "user"), None)
+    if last_user is not None:
+        keep.add(last_user)
+    return [history[i] for i in sorted(keep) if i >= 0]
+
+
+def _probe_conversations() -> tuple[tuple[list[ChatMessage], list[ChatMessage], list[Tool]], ...]:
+    """Histories ending with the model's message, and what follows them, in the shapes agents make."""
+    from gateway.chat.messages import ToolCall
+
+    tool = Tool("lookup", "Look a thing up", {"type": "object", "properties": {"q": {"type": "string"}}})
+    call = ChatMessage("assistant", "", (ToolCall("call_a", "lookup", '{"q": "a"}'),), reasoning="Need a.")
+    pair = ChatMessage(
+        "assistant",
+        "Both.",
+        (ToolCall("call_b", "lookup", '{"q": "b"}'), ToolCall("call_c", "lookup", '{"q": "c"}')),
+        reasoning="Need b and c.",
+    )
+    answer = ChatMessage("assistant", "Done.", reasoning="All known.")
+    system, user = ChatMessage("system", "Be brief."), ChatMessage("user", "Find a, b and c.")
+    result = ChatMessage("tool", "a is 1", tool_call_id="call_a")
+    results = [
+        ChatMessage("tool", "b is 2", tool_call_id="call_b"),
+        ChatMessage("tool", "c is 3", tool_call_id="call_c"),
+    ]
+    late = ChatMessage("system", "Time is short.")
+    loop = [system, user, call, result, pair, *results, answer]
+    return (
+        ([system, user, call], [result], [tool]),
+        (loop[:5], results, [tool]),
+        ([*loop[:5], *results, answer], [ChatMessage("user", "And d?")], [tool]),
+        ([user, answer, ChatMessage("user", "Again."), answer], [late, ChatMessage("user", "Go on.")], []),
+        ([system, user, call, result, answer], [ChatMessage("user", "Next.")], [tool]),
+    )
+
+
+_LOCALITY_PROBES = _probe_conversations()

@@ -27,6 +27,9 @@ from gateway.responses import json_response
 from gateway.state import GatewayState, StateDep
 
 router = APIRouter(prefix="/v1/sessions/{session_id}", tags=["chat"])
+# A chat body is parsed on the event loop up to this size (msgspec: ~1 ms per MB), in the CPU pool past it: an agent's
+# history is resent every turn, and a hop to a thread costs more than parsing a few hundred KB in place.
+PARSE_OFFLOAD_BYTES = 1 << 20
 SSE_HEADERS = {"cache-control": "no-cache"}
 # Which API a path under a session belongs to: Anthropic's clients call {base}/v1/..., OpenAI's {base}/chat/...,
 # {base}/responses..., {base}/models...
@@ -55,7 +58,9 @@ async def anthropic_count_tokens(session_id: str, request: Request, state: State
     raw = await request.body()
     try:
         service = _service(state)
-        chat = await state.run_cpu(len(raw), lambda: anthropic.parse_count_request(raw, service.hosted))
+        chat = await state.run_cpu(
+            len(raw), lambda: anthropic.parse_count_request(raw, service.hosted), threshold=PARSE_OFFLOAD_BYTES
+        )
         tokens = await service.count_tokens(state, session_id, chat)
     except GatewayError as exc:
         return _error(state, anthropic, exc)
@@ -75,7 +80,9 @@ async def _chat(session_id: str, request: Request, state: GatewayState, api: Mod
     raw = await request.body()
     try:
         service = _service(state)
-        chat: ChatRequest = await state.run_cpu(len(raw), lambda: api.parse_request(raw, service.hosted))
+        chat: ChatRequest = await state.run_cpu(
+            len(raw), lambda: api.parse_request(raw, service.hosted), threshold=PARSE_OFFLOAD_BYTES
+        )
         model = chat.model or Path(service.template.name).name
         if not chat.stream:
             result = await service.run(state, session_id, chat)
