@@ -57,7 +57,7 @@ from gateway.buffers import GrowableArray
 from gateway.chat.conversation import ChatRecord
 from gateway.errors import SessionBusy, SessionExists, SessionNotFound, StoreUnavailable
 from gateway.sample import MoEShape, SessionSample, Status, TurnRecord
-from gateway.store import Session, SessionStore
+from gateway.store import Branch, Session, SessionStore, Trajectory
 
 log = logging.getLogger("gateway.redis_store")
 
@@ -118,7 +118,8 @@ return {'ok', found[1] or '', found[2]}
 # KEYS[1]: the session's hash, KEYS[2]: its lease, KEYS[3 .. 2+s]: the s staging keys SET just before, then the keys
 # the operations name. ARGV: 1 the lease value ('' to create the session), 2 the incarnation, 3 the stamp the write
 # is based on ('' to create), 4 the new stamp, 5 the deadline, 6 the keys' TTL (ms, 0: none), 7 s, 8 the number n of
-# hash fields, then n field/value pairs, then operations as (code, key index, value) triples. Answers 'ok', 'done'
+# hash fields, 9 '1' to keep the lease (this replica runs turns on other branches of the session), then n
+# field/value pairs, then operations as (code, key index, value) triples. Answers 'ok', 'done'
 # (this very write already happened: a resend), 'exists' (create), 'lease' (not the lease's holder), 'stale' (the
 # session is not the one the write is based on), 'lost' (a staging key is gone) or 'late'; only 'ok' changed
 # anything (every check comes before the first change: a script's changes are not rolled back). The lease is let
@@ -150,7 +151,7 @@ for k = 3, staged do
   if redis.call('EXISTS', KEYS[k]) == 0 then return refuse('lost') end
 end
 local ttl = tonumber(ARGV[6])
-local i = 9
+local i = 10
 for _ = 1, tonumber(ARGV[8]) do
   redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
   i = i + 2
@@ -169,7 +170,7 @@ while i <= #ARGV do
   end
   i = i + 3
 end
-if mine then redis.call('DEL', KEYS[2]) end
+if mine and ARGV[9] ~= '1' then redis.call('DEL', KEYS[2]) end
 return 'ok'
 """
 )
@@ -306,6 +307,7 @@ class RedisSessionStore(SessionStore):
         self._ttl_refreshed: dict[str, float] = {}  # session id -> when this replica last pushed its TTLs and score
         self._redis: Client | None = None
         self._leases: dict[str, str] = {}  # session id -> the lease value this replica holds
+        self._holds: dict[str, int] = {}  # session id -> turns running here under that lease (one per branch)
         self._cached: dict[str, tuple[str, str]] = {}  # session id -> (incarnation, stamp) of the local copy
         self._written: dict[str, dict[str, bytes]] = {}  # session id -> its hash's small fields, as Redis has them
         self._clock_offset_s: float | None = None  # Redis's clock less ours (the latest of a cluster's primaries)
@@ -411,7 +413,52 @@ class RedisSessionStore(SessionStore):
             return local
         return await self._load(session_id)
 
-    async def acquire(self, session_id: str) -> Session:
+    async def acquire(self, session_id: str) -> Trajectory:
+        session = await self._take_lease(session_id)
+        return await self._hold_branch(session, session.branches[0])
+
+    async def hold(self, session: Session, branch: Branch) -> Trajectory:
+        """The lease (unless this replica holds it for another branch's turn), then the branch; a session that
+        changed in Redis since ``session`` was read is a 409 (planned against an old copy: send it again)."""
+        current = await self._take_lease(session.session_id)
+        if current is not session or branch not in session.branches:
+            await self._put_back(session.session_id)
+            raise SessionBusy(
+                f"session {session.session_id!r} changed while this request was planned; send it again",
+                session_id=session.session_id,
+            )
+        return await self._hold_branch(session, branch)
+
+    async def start_branch(self, session: Session, branch: Branch) -> Trajectory:
+        current = await self._take_lease(session.session_id)
+        if current is not session:
+            await self._put_back(session.session_id)
+            raise SessionBusy(
+                f"session {session.session_id!r} changed while this request was planned; send it again",
+                session_id=session.session_id,
+            )
+        session.branches.append(branch)
+        trajectory = await self._hold_branch(session, branch)
+        self.recount(session)
+        return trajectory
+
+    async def _hold_branch(self, session: Session, branch: Branch) -> Trajectory:
+        try:
+            return await SessionStore.hold(self, session, branch)
+        except BaseException:
+            await self._put_back(session.session_id)
+            raise
+
+    async def _take_lease(self, session_id: str) -> Session:
+        """This replica's hold on the session (one lease per session and replica, however many of its branches run
+        a turn here): taken in Redis with the stamp's read, or counted when already held; the session as Redis has
+        it."""
+        if session_id in self._leases:
+            local = self._sessions.get(session_id)
+            if local is None:  # a failed write dropped it while another branch's turn ran here
+                raise StoreUnavailable(f"session {session_id!r}: this replica lost track of it", reason="stale")
+            self._holds[session_id] += 1
+            return local
         key = self._keys.session(session_id)
         value = self._token()
         try:
@@ -436,36 +483,53 @@ class RedisSessionStore(SessionStore):
         if status == "late":
             raise StoreUnavailable("hold: Redis ran the command too late (it was paused or overloaded)", reason="redis")
         self._leases[session_id] = value  # renewed from now on, while the copy is loaded too
+        self._holds[session_id] = 1
         try:
-            session = await self._fresh(session_id, (answer[1].decode(), answer[2].decode()))
+            return await self._fresh(session_id, (answer[1].decode(), answer[2].decode()))
         except BaseException:
-            del self._leases[session_id]
-            self._let_go(session_id, value)
+            await self._put_back(session_id)
             raise
-        session.busy = True
-        self._active += 1
-        return session
 
-    async def release(self, session: Session) -> None:
+    async def _put_back(self, session_id: str) -> None:
+        """Undo one ``_take_lease`` that no turn used: the last one lets the lease go (nothing to write)."""
+        self._holds[session_id] -= 1
+        if self._holds[session_id]:
+            return
+        del self._holds[session_id]
+        value = self._leases.pop(session_id)
+        self._let_go(session_id, value)
+
+    async def release(self, trajectory: Trajectory) -> None:
+        session = trajectory.session
         sid = session.session_id
-        value = self._leases.pop(sid, None)
+        value = self._leases.get(sid)
+        last = self._holds.get(sid, 0) <= 1
+        if value is not None and last:
+            self._holds.pop(sid, None)
+            self._leases.pop(sid)
+        elif value is not None:
+            self._holds[sid] -= 1
         try:
             if value is not None:
                 cached = self._cached.get(sid)
                 if cached is None:
                     raise StoreUnavailable(f"session {sid!r}: this replica lost track of it mid-turn", reason="stale")
+                only = trajectory.branch
                 try:
                     with self._errors("write"):
-                        answer = await self._write(session, lease=value, incarnation=cached[0], base=cached[1])
+                        answer = await self._write(
+                            session, lease=value, incarnation=cached[0], base=cached[1], only=only, keep=not last
+                        )
                 except StoreUnavailable:
-                    self._let_go(sid, value)  # no answer: whether it ran is unknown
+                    if last:
+                        self._let_go(sid, value)  # no answer: whether it ran is unknown
                     raise
                 self._check_written(sid, answer)
         except BaseException:
-            self._unhold(session)
+            self._unhold(trajectory)
             self._forget(sid)  # Redis holds the truth: the next request reads it
             raise
-        self._unhold(session)
+        self._unhold(trajectory)
         self._trim_cache()
 
     async def delete(self, session_id: str) -> None:
@@ -572,17 +636,34 @@ class RedisSessionStore(SessionStore):
         self._clock_offset_s = max(seconds + micros / 1e6 for seconds, micros in answers) - ours
 
     # ---- writing: what changed, in one script ----------------------------------------------------------------
-    async def _write(self, session: Session, *, lease: str, incarnation: str, base: str) -> str:
+    async def _write(
+        self,
+        session: Session,
+        *,
+        lease: str,
+        incarnation: str,
+        base: str,
+        only: Branch | None = None,
+        keep: bool = False,
+    ) -> str:
         """Write what changed since Redis last had the session (all of it for a create: ``base`` ''), and let the
-        lease go, in one round trip. Returns the script's answer; the bookkeeping is kept only for 'ok'."""
+        lease go (``keep``: not yet, turns run on other branches here), in one round trip. ``only``: the branch a turn
+        ended on; the others are written as Redis has them (a branch with a turn still running here is not written
+        half-done, and a new one not at all). Returns the script's answer; the bookkeeping is kept only for 'ok'."""
         session.touch()
         sid = session.session_id
         key = self._keys.session(sid)
         batch = WriteBatch(key, secrets.token_hex(8))
-        pending = [batch.sample(sample) for sample in session.samples]
+        kept = [b for b in session.branches if only is None or b is only or b.sample.persisted]
+        pending = [
+            batch.sample(b.sample) if only is None or b is only else dict(b.sample.persisted) for b in kept
+        ]
         written = self._written.get(sid, {}) if base else {}
+        own = {BRANCH_FIELD + done["id"] for b, done in zip(kept, pending, strict=True) if only is None or b is only}
         fields = {
-            name: value for name, value in _session_fields(session, pending).items() if written.get(name) != value
+            name: value
+            for name, value in _session_fields(session, kept, pending).items()
+            if written.get(name) != value and (not name.startswith(BRANCH_FIELD) or name in own)
         }
         # A create's keys get their TTL as they are created; later, the whole session's keys and its index score
         # are pushed forward now and then (an APPEND keeps a key's TTL; a PEXPIRE of every key on every write cost
@@ -596,7 +677,7 @@ class RedisSessionStore(SessionStore):
         keys = [key, Keys.lease(key), *(stage for stage, _ in batch.staged)]
         where = {name: number for number, name in enumerate(keys, start=1)}
         args: list[Any] = [lease, incarnation, base, batch.stamp, self._deadline_ms(), self._key_ttl_ms]
-        args += [len(batch.staged), len(fields)]
+        args += [len(batch.staged), len(fields), "1" if keep else ""]
         for name, value in fields.items():
             args += (name, value)
         for code, name, value in batch.ops:
@@ -616,8 +697,8 @@ class RedisSessionStore(SessionStore):
             answer = await write
         answer = answer.decode() if isinstance(answer, bytes) else str(answer)
         if answer in ("ok", "done"):
-            for sample, done in zip(session.samples, pending, strict=True):
-                sample.persisted = done
+            for branch, done in zip(kept, pending, strict=True):
+                branch.sample.persisted = done
             self._cached[sid] = (incarnation, batch.stamp)
             self._written[sid] = written | fields
             if refresh or not base:
@@ -690,11 +771,13 @@ class RedisSessionStore(SessionStore):
             else:
                 raise StoreUnavailable(f"read: session {session_id!r} kept changing while it was read", reason="redis")
         replies = iter(answers)
-        samples = [_read_sample(sample["id"], sample["chunks"], replies) for sample in layout]
+        samples = [(sample["id"], _read_sample(sample["id"], sample["chunks"], replies)) for sample in layout]
         session = _session_from_fields(session_id, fields, samples)
         self._register(session)
         self._cached[session_id] = (fields.get("incarnation", b"").decode(), fields["stamp"].decode())
-        self._written[session_id] = {name: fields[name] for name in SESSION_FIELDS if name in fields}
+        self._written[session_id] = {
+            name: value for name, value in fields.items() if name in SESSION_FIELDS or name.startswith(BRANCH_FIELD)
+        }
         self._trim_cache()
         return session
 
@@ -823,34 +906,71 @@ def _raw(array: np.ndarray) -> memoryview:
 
 
 # ---- the session's hash: its small fields --------------------------------------------------------------------------
-SESSION_FIELDS = ("samples", "metadata", "sampling_defaults", "created_at", "updated_at", "chat", "summary")
+SESSION_FIELDS = ("samples", "metadata", "sampling_defaults", "created_at", "updated_at", "summary")
+# One hash field per branch, "branch:{sample id}": its place in the tree and its chat record (written when it changed:
+# a turn rewrites only its own branch's).
+BRANCH_FIELD = "branch:"
 
 
-def _session_fields(session: Session, pending: list[dict[str, Any]]) -> dict[str, bytes]:
-    """The hash's fields (besides incarnation and stamp), each a JSON document or a number: the chat layer's record
-    is one opaque JSON blob, its trajectories are the samples, listed in order."""
-    return {
+def _session_fields(session: Session, branches: list[Branch], pending: list[dict[str, Any]]) -> dict[str, bytes]:
+    """The hash's fields (besides incarnation and stamp), each a JSON document or a number: the branches' samples,
+    listed in order, and each branch's field."""
+    ids = {id(branch.sample): done["id"] for branch, done in zip(branches, pending, strict=True)}
+    fields = {
         "samples": orjson.dumps(_layout(pending)),
         "metadata": orjson.dumps(session.metadata),
         "sampling_defaults": orjson.dumps(session.sampling_defaults),
         "created_at": repr(session.created_at).encode(),
         "updated_at": repr(session.updated_at).encode(),
-        "chat": b"" if session.chat is None else orjson.dumps(session.chat.to_json()),
-        "summary": orjson.dumps(session.summary() | {"busy": False}),
+        "summary": orjson.dumps(session.listing() | {"busy": False}),
     }
+    for branch, done in zip(branches, pending, strict=True):
+        parent = None if branch.parent is None else ids.get(id(branch.parent.sample))
+        fields[BRANCH_FIELD + done["id"]] = orjson.dumps(
+            {
+                "parent": parent,
+                "fork_token": branch.fork_token,
+                "first_difference": branch.first_difference,
+                "cause": branch.cause,
+                "model": branch.model,
+                "created_at": branch.created_at,
+                "updated_at": branch.updated_at,
+                "record": None if branch.record is None else branch.record.to_json(),
+            }
+        )
+    return fields
 
 
-def _session_from_fields(session_id: str, fields: dict[str, bytes], samples: list[SessionSample]) -> Session:
-    chat = fields.get("chat") or b""
+def _session_from_fields(
+    session_id: str, fields: dict[str, bytes], samples: list[tuple[str, SessionSample]]
+) -> Session:
+    by_id: dict[str, Branch] = {}
+    parents: list[tuple[Branch, str | None]] = []
+    for sample_id, sample in samples:
+        raw = fields.get(BRANCH_FIELD + sample_id)
+        meta = orjson.loads(raw) if raw else {}
+        record = meta.get("record")
+        branch = Branch(
+            sample,
+            record=None if record is None else ChatRecord.from_json(record),
+            fork_token=meta.get("fork_token", 0),
+            first_difference=meta.get("first_difference"),
+            cause=meta.get("cause"),
+            model=meta.get("model"),
+            created_at=meta.get("created_at", 0.0),
+            updated_at=meta.get("updated_at", 0.0),
+        )
+        by_id[sample_id] = branch
+        parents.append((branch, meta.get("parent")))
+    for branch, parent in parents:
+        branch.parent = None if parent is None else by_id.get(parent)
     return Session(
         session_id=session_id,
-        sample=samples[-1],
-        branches=samples[:-1],
+        branches=[by_id[sample_id] for sample_id, _ in samples],
         metadata=orjson.loads(fields["metadata"]),
         sampling_defaults=orjson.loads(fields["sampling_defaults"]),
         created_at=float(fields["created_at"]),
         updated_at=float(fields["updated_at"]),
-        chat=ChatRecord.from_json(orjson.loads(chat)) if chat else None,
     )
 
 

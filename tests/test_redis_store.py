@@ -115,6 +115,8 @@ def sample(gateway: Service, sid: str) -> dict[str, Any]:
     size = struct.unpack("<Q", response.content[:8])[0]
     metadata = json.loads(response.content[8 : 8 + size]).get("__metadata__", {})
     metadata.pop("cached_tokens", None)  # the simulator's prefix cache: depends on what ran before
+    for clock in ("created_at", "updated_at"):  # the branch's times: when each session ran
+        metadata.pop(clock, None)
     return {"arrays": load(response.content), "metadata": metadata}
 
 
