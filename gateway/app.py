@@ -95,7 +95,9 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=settings.max_request_bytes, on_error=_gateway_error)
     if settings.api_keys:
         open_paths = (HEALTH_PATH,) if settings.protect_metrics else (HEALTH_PATH, METRICS_PATH)
-        app.add_middleware(AuthMiddleware, keys=KeyRing(settings.api_keys), open_paths=open_paths)
+        app.add_middleware(
+            AuthMiddleware, keys=KeyRing(settings.api_keys), open_paths=open_paths, on_error=_gateway_error
+        )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(InternalErrorMiddleware)
     app.add_exception_handler(GatewayError, _gateway_error)
@@ -150,6 +152,7 @@ def load_chat(settings: Settings) -> ChatService:
         rewrite_policy=settings.chat_rewrite_policy,
         context_tokens=context,
         default_max_tokens=settings.chat_default_max_tokens,
+        max_tools_bytes=settings.chat_max_tools_bytes,
     )
     log.info(
         "chat: tool parser %s, reasoning parser %s, drift policy %s, rewrite policy %s, context %s tokens, default "

@@ -27,11 +27,12 @@ import secrets
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from starlette.requests import cookie_parser
+from starlette.requests import Request, cookie_parser
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import Unauthorized
 from gateway.http_errors import error_response
+from gateway.limits import ErrorHandler
 
 log = logging.getLogger("gateway.auth")
 
@@ -150,12 +151,18 @@ class AuthMiddleware:
     counted)."""
 
     def __init__(
-        self, app: ASGIApp, keys: KeyRing, open_paths: Collection[str] = (HEALTH_PATH,), ui: UiAccess = UiAccess()
+        self,
+        app: ASGIApp,
+        keys: KeyRing,
+        open_paths: Collection[str] = (HEALTH_PATH,),
+        ui: UiAccess = UiAccess(),
+        on_error: ErrorHandler | None = None,
     ) -> None:
         self.app = app
         self.keys = keys
         self.open_paths = frozenset(open_paths)
         self.ui = ui
+        self.on_error = on_error  # renders the 401 (the chat routes' in their API's shape); default: the gateway's
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or self._is_open(scope):
@@ -197,4 +204,8 @@ class AuthMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})  # policy violation; the server answers 403
             return
-        await error_response(exc)(scope, receive, send)  # with its WWW-Authenticate challenge
+        if self.on_error is None:
+            await error_response(exc)(scope, receive, send)  # with its WWW-Authenticate challenge
+            return
+        response = await self.on_error(Request(scope, receive), exc)
+        await response(scope, receive, send)

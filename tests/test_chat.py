@@ -510,7 +510,7 @@ def test_chat_needs_a_tokenizer_and_a_chat_session(gateway: Service, chat_gatewa
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "session_not_found"
     # a chat session has no prompt for a token-level turn
     generate = httpx.post(f"{chat_gateway.url}/v1/sessions/{new_session(chat_gateway)}/generate", json={})
-    assert generate.status_code == 422 and "no prompt" in generate.json()["error"]["message"]
+    assert generate.status_code == 409 and "no prompt" in generate.json()["error"]["message"]
 
 
 def test_anthropic_clients_authenticate_with_x_api_key(chat_sim: Service, tokenizer_dir: Path) -> None:
@@ -524,8 +524,16 @@ def test_anthropic_clients_authenticate_with_x_api_key(chat_sim: Service, tokeni
         message = good.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
         assert message.content[0].text == "ok"
         bad = anthropic.Anthropic(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="wrong", max_retries=0)
-        with pytest.raises(anthropic.AuthenticationError):
+        with pytest.raises(anthropic.AuthenticationError) as refused:
             bad.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+        # Refused in Anthropic's shape under its prefix (clients read error.type), the challenge header kept.
+        assert refused.value.body["type"] == "error" and refused.value.body["error"]["type"] == "authentication_error"
+        assert refused.value.response.headers["www-authenticate"].startswith("Bearer")
+        with pytest.raises(openai.AuthenticationError) as refused_openai:
+            openai.OpenAI(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="wrong", max_retries=0).responses.create(
+                model="tiny", input="hi"
+            )
+        assert refused_openai.value.body["type"] == "authentication_error"
         reply, _, _ = openai_chat(
             openai.OpenAI(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="sekrit", max_retries=0),
             [
