@@ -113,7 +113,7 @@ class SessionSummary(BaseModel):
     response_length: int
     total_tokens: int
     turns: int
-    branch: int = Field(description="the live trajectory's index (0 until a chat history is edited)")
+    branch_count: int = Field(description="the session's branches (1 for a token-level session)")
     created_at: float
     updated_at: float
     last_error: str | None = Field(description="why the last model turn ended early (an abort), or null")
@@ -126,10 +126,35 @@ class SessionList(BaseModel):
     sessions: list[SessionSummary]
 
 
-class SessionView(SessionSummary):
-    """The human view: the summary, the shapes and dtypes of the arrays, replay, weight versions, the turn log, the
-    last tokens; with ``full=true`` every array as JSON lists besides."""
+class BranchSummary(BaseModel):
+    """One branch of the session's tree: where it stands, its sample's lengths."""
 
+    model_config = ConfigDict(extra="allow")
+
+    branch: int
+    parent: int | None = Field(description="the branch it forked from (null: a root)")
+    fork_token: int = Field(description="leading tokens it shares with its parent")
+    first_difference: int | None = Field(description="the first message of the forking request unlike the parent's")
+    cause: Literal["edited_history", "new_root", "rewrite"] | None
+    model: str | None = Field(description="the model name of the request that started it")
+    created_at: float
+    updated_at: float
+    turns: int
+    status: Status
+    prompt_length: int
+    response_length: int
+    total_tokens: int
+    busy: bool
+    last_error: str | None
+
+
+class SessionView(SessionSummary):
+    """The human view of one branch (``?branch=N``, the root by default): the summary, the shapes and dtypes of the
+    arrays, replay, weight versions, the turn log, the last tokens, every branch of the tree; with ``full=true``
+    every array as JSON lists besides (and a chat branch's record whole)."""
+
+    branch: int = Field(description="the branch shown (0: the root)")
+    branches: list[BranchSummary]
     metadata: dict[str, Any] | None
     moe: dict[str, int] | None
     replay: dict[str, Any]
@@ -163,7 +188,8 @@ class AbortAnswer(SessionSummary):
     aborted: bool = Field(description="whether a turn was running here and was aborted")
     detail: str | None = None
     rid: str | None = None
-    finished: bool | None = Field(None, description="the aborted turn ended within the wait")
+    rids: list[str] | None = Field(None, description="every aborted turn's (one per branch with a turn running)")
+    finished: bool | None = Field(None, description="the aborted turns ended within the wait")
     instance_id: str | None = Field(None, description="the replica running the turn, when another one runs it")
 
 

@@ -372,7 +372,7 @@ def test_the_data_route_is_the_sample_plus_turns_and_pieces(chat_gateway: Servic
             assert turns == state["turn_log"]
         pieces = json.loads(meta["pieces"])
         assert set(pieces) == {str(i) for i in np.unique(arrays["tokens"])}
-    assert httpx.get(f"{chat_gateway.url}/ui/api/sessions/{sid}/data", params={"branch": 7}).status_code == 422
+    assert httpx.get(f"{chat_gateway.url}/ui/api/sessions/{sid}/data", params={"branch": 7}).status_code == 404
     assert httpx.get(f"{chat_gateway.url}/ui/api/sessions/nope/data").status_code == 404
 
 
