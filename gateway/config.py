@@ -149,6 +149,12 @@ class Settings(BaseSettings):
         "renders them after the history; one trajectory) or fork (the conversation re-rendered as the template "
         "renders it now, on a new branch)",
     )
+    chat_max_tools_bytes: int = Field(
+        1 << 20,
+        ge=1024,
+        description="the tools' schemas a chat request may carry (their JSON, bytes): past it, 413 request_too_large "
+        "before anything is rendered (the template renders them into the prompt)",
+    )
     chat_default_max_tokens: int | None = Field(
         None,
         ge=1,

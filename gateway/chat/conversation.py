@@ -174,6 +174,14 @@ class Match:
     def renders_all(self) -> bool:
         return self.history == 0
 
+    @property
+    def tokens_before(self) -> int:
+        """The tokens the rendered text will follow."""
+        if self.renders_all or self.source is None:
+            return 0
+        end = self.source.record.ends[self.history - 1]
+        return end if end is not None else 0
+
 
 def match_request(session: Session, request: ChatRequest, policy: DriftPolicy) -> Match:
     """Match the request against every branch's record (message by message: O(its messages), no rendering)."""
@@ -239,7 +247,8 @@ def render_size(template: ChatTemplate, match: Match, request: ChatRequest, rewr
     only the new messages when the history's local context is enough."""
     local = rewrite == "append" and template.renders_locally
     messages = request.messages[match.history :] if local and match.history else request.messages
-    return sum(m.text_size for m in messages)
+    size = sum(m.text_size for m in messages)
+    return size + len(request.tools_key) if match.renders_all else size  # the tools are in a whole prompt
 
 
 def _continue(

@@ -338,9 +338,10 @@ def context_message(exc: ContextLengthExceeded) -> str:
     """The overflow as OpenAI words it (clients and frameworks look for "maximum context length")."""
     limit, prompt, wanted = exc.details["context_tokens"], exc.details["prompt_tokens"], exc.details["max_tokens"]
     if wanted is None:
+        least = "at least " if exc.details.get("at_least") else ""
         return (
-            f"This model's maximum context length is {limit} tokens. However, your messages resulted in {prompt} "
-            "tokens. Please reduce the length of the messages."
+            f"This model's maximum context length is {limit} tokens. However, your messages resulted in {least}"
+            f"{prompt} tokens. Please reduce the length of the messages."
         )
     return (
         f"This model's maximum context length is {limit} tokens. However, you requested {prompt + wanted} tokens "

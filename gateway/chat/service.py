@@ -33,7 +33,13 @@ from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, orde
 from gateway.chat.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
 from gateway.chat.template import ChatTemplate
 from gateway.chat.tool_parsers import PARSERS, STREAM_SPLITTERS, ParsedCompletion, ToolCallStreamSplitter
-from gateway.errors import ContextLengthExceeded, GatewayError, PreviousResponseNotFound, SessionBusy
+from gateway.errors import (
+    ContextLengthExceeded,
+    GatewayError,
+    PreviousResponseNotFound,
+    RequestTooLarge,
+    SessionBusy,
+)
 from gateway.schemas import TurnCreate
 from gateway.state import GatewayState
 from gateway.store import Session, Trajectory
@@ -80,6 +86,7 @@ class ChatSettings:
     rewrite_policy: RewritePolicy = "append"
     context_tokens: int | None = None
     default_max_tokens: int | None = None  # None: the context left (FALLBACK_MAX_TOKENS when it is unknown)
+    max_tools_bytes: int = 1 << 20  # the tools' schemas (their canonical JSON) a request may carry
 
 
 class ChatService:
@@ -175,6 +182,13 @@ class ChatService:
         """The request as the conversation logic takes it: a continued response's history first, system messages the
         template cannot render where they stand merged into a user message, reasoning a client left inside an
         assistant message's content split out, tool results in the order of their calls; then checked."""
+        limit = self.settings.max_tools_bytes
+        if len(request.tools_key) > limit:
+            raise RequestTooLarge(
+                f"the tools' schemas take {len(request.tools_key)} bytes, over the limit of {limit}",
+                setting="GATEWAY_CHAT_MAX_TOOLS_BYTES",
+                limit=limit,
+            )
         if request.previous_response_id is not None:
             request = request.with_history(self._stored_history(session, request))
         messages = request.messages
@@ -215,6 +229,8 @@ class ChatService:
         match = match_request(session, request, settings.drift_policy)  # comparisons only: on the loop
         # The template and the tokenizer: off the loop when what they render is long.
         size = render_size(self.template, match, request, settings.rewrite_policy)
+        if check_context:  # a text that cannot fit is refused before seconds of encoding
+            self._check_context(match.tokens_before + self.template.fewest_tokens(size), None, at_least=True)
         plan = await state.run_cpu(size, lambda: plan_match(self.template, match, request, settings.rewrite_policy))
         if check_context:
             self._check_context(plan.tokens_after(), request.max_tokens)
@@ -232,7 +248,8 @@ class ChatService:
             return left if left is not None else FALLBACK_MAX_TOKENS
         return configured if left is None else min(configured, left)
 
-    def _check_context(self, prompt_tokens: int, max_tokens: int | None) -> None:
+    def _check_context(self, prompt_tokens: int, max_tokens: int | None, *, at_least: bool = False) -> None:
+        """``at_least``: ``prompt_tokens`` is a lower bound (the text not encoded yet)."""
         limit = self.context_tokens
         if limit is None:
             return
@@ -242,6 +259,7 @@ class ChatService:
                 context_tokens=limit,
                 prompt_tokens=prompt_tokens,
                 max_tokens=None,
+                at_least=at_least,
             )
         if max_tokens is not None and prompt_tokens + max_tokens > limit:
             raise ContextLengthExceeded(

@@ -57,6 +57,9 @@ class ChatTemplate:
         self.name = name
         self._backend = tokenizer.backend_tokenizer
         self.vocab_size = len(tokenizer)
+        size = self._backend.get_vocab_size(with_added_tokens=True)
+        pieces = self._backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+        self.max_token_chars = max(1, *(len(piece) for piece in pieces))
         self.stop_token_ids = frozenset(tokenizer.all_special_ids)
         # Never in a client's text: NULs and a random part, new in each process.
         self._probe = f"\x00slime-gateway-probe-{uuid.uuid4().hex}\x00"
@@ -109,7 +112,14 @@ class ChatTemplate:
         return text
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._backend.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+        # The batch form lets go of the GIL while it runs (a long text takes seconds): the event loop goes on.
+        ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+        return np.asarray(ids, dtype=np.int32)
+
+    def fewest_tokens(self, characters: int) -> int:
+        """A lower bound on the tokens of any text of ``characters`` characters (no token is longer than the
+        vocabulary's longest): what refuses a text too long for the context before encoding it."""
+        return -(-characters // self.max_token_chars)
 
     def prompt(self, messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> Rendered:
         """A whole conversation, ready for the model's answer (a new session, or a branch from nothing)."""
