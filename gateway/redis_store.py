@@ -655,9 +655,7 @@ class RedisSessionStore(SessionStore):
         key = self._keys.session(sid)
         batch = WriteBatch(key, secrets.token_hex(8))
         kept = [b for b in session.branches if only is None or b is only or b.sample.persisted]
-        pending = [
-            batch.sample(b.sample) if only is None or b is only else dict(b.sample.persisted) for b in kept
-        ]
+        pending = [batch.sample(b.sample) if only is None or b is only else dict(b.sample.persisted) for b in kept]
         written = self._written.get(sid, {}) if base else {}
         own = {BRANCH_FIELD + done["id"] for b, done in zip(kept, pending, strict=True) if only is None or b is only}
         fields = {

@@ -33,29 +33,33 @@ def session_view(session: Session, branch: int | None = None) -> dict[str, Any]:
     chosen = session.branches[_branch_index(session, branch)]
     sample = chosen.sample
     arrays = sample.arrays()
-    view = session_summary(session) | _sample_summary(sample) | {
-        "branch": session.index(chosen),
-        "metadata": session.metadata,
-        "moe": None if sample.moe is None else {"num_layers": sample.moe.num_layers, "topk": sample.moe.topk},
-        "replay": {
-            "routed_experts": "rollout_routed_experts" in arrays,
-            "routed_experts_rows": sample.routing_rows,
-            "top_p": sample.top_p_active,
-        },
-        "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype)} for name, a in arrays.items()},
-        "weight_versions": sample.weight_versions,
-        # what rollout_weight_version_ids index (the turn log has each model turn's spans)
-        "weight_version_table": sample.weight_version_table,
-        "cached_tokens": sample.cached_tokens,
-        "prompt_tokens": sample.prompt_tokens,
-        "spec_counters": sample.spec_counters,
-        "stored_bytes": sample.stored_bytes,
-        "response": sample.response,
-        "last_tokens": arrays["tokens"][-LAST_TOKENS_SHOWN:].tolist(),
-        "turn_log": [t.to_json() for t in sample.turns],
-        "inspector": f"/ui/sessions/{session.session_id}",  # the session page of the gateway's inspector (/ui/)
-        "branches": [_branch_summary(session, known) for known in session.branches],
-    }
+    view = (
+        session_summary(session)
+        | _sample_summary(sample)
+        | {
+            "branch": session.index(chosen),
+            "metadata": session.metadata,
+            "moe": None if sample.moe is None else {"num_layers": sample.moe.num_layers, "topk": sample.moe.topk},
+            "replay": {
+                "routed_experts": "rollout_routed_experts" in arrays,
+                "routed_experts_rows": sample.routing_rows,
+                "top_p": sample.top_p_active,
+            },
+            "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype)} for name, a in arrays.items()},
+            "weight_versions": sample.weight_versions,
+            # what rollout_weight_version_ids index (the turn log has each model turn's spans)
+            "weight_version_table": sample.weight_version_table,
+            "cached_tokens": sample.cached_tokens,
+            "prompt_tokens": sample.prompt_tokens,
+            "spec_counters": sample.spec_counters,
+            "stored_bytes": sample.stored_bytes,
+            "response": sample.response,
+            "last_tokens": arrays["tokens"][-LAST_TOKENS_SHOWN:].tolist(),
+            "turn_log": [t.to_json() for t in sample.turns],
+            "inspector": f"/ui/sessions/{session.session_id}",  # the session page of the gateway's inspector (/ui/)
+            "branches": [_branch_summary(session, known) for known in session.branches],
+        }
+    )
     if chosen.record is not None:
         view["chat"] = _chat_view(chosen.record)
     return view

@@ -125,7 +125,13 @@ def test_responses_agent_loop_whole_input_each_turn(
     assert [o["content"][0]["text"] for o in second["output"]] == [FINAL_TEXT]
     assert second["usage"]["output_tokens"] == len(tokenizer.encode(FINAL_TEXT, add_special_tokens=False)) + 1
     view = check_trajectory(chat_gateway.url, sid, tokenizer, [CALL_TEXT, FINAL_TEXT])
-    assert [m["role"] for m in view["chat"]["record"]["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert [m["role"] for m in view["chat"]["record"]["messages"]] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
 
 
 def test_streamed_response_items_equal_the_unary_ones(chat_gateway: Service, chat_sim: Service) -> None:

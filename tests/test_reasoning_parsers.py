@@ -52,7 +52,7 @@ def streamed(fmt: ReasoningFormat, pieces: list[str], inside: bool) -> tuple[str
     for piece in pieces:
         for channel, text in stream.feed(piece):
             (reasoning if channel == "reasoning" else content).append(text)
-    whole_reasoning, whole_content = fmt.split("".join(pieces), inside=inside)
+    whole_reasoning, _ = fmt.split("".join(pieces), inside=inside)
     reasoning.append(stream.finish(whole_reasoning))
     return "".join(reasoning), "".join(content)
 
