@@ -35,6 +35,7 @@ import importlib
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
+import msgspec
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -57,13 +58,15 @@ ERROR_STATUSES: dict[int, str] = {
     400: "upstream_rejected: the SGLang upstream refused the request (its status in upstream_status); chat routes: "
     "chat_template_error, context_length_exceeded",
     401: "unauthorized: no, a malformed or a wrong API key (WWW-Authenticate says which)",
-    404: "session_not_found, branch_not_found (or not_found: no such route)",
+    404: "session_not_found, branch_not_found, previous_response_not_found (the Responses API) (or not_found: no "
+    "such route)",
     405: "method_not_allowed (the Allow header lists the methods the path takes)",
     408: "header_timeout / body_timeout: the request head or body did not arrive in time (the connection is closed)",
     409: "session_exists, session_busy (a turn is running), session_mismatch (sync), history_mismatch (chat), "
     "session_conflict (a valid body this session cannot take now: no prompt yet, routing without a MoE shape, "
     "top-p replay from the middle of a sample)",
-    413: "request_too_large (GATEWAY_MAX_REQUEST_BYTES) or session_too_long (GATEWAY_MAX_SESSION_TOKENS)",
+    413: "request_too_large (GATEWAY_MAX_REQUEST_BYTES, GATEWAY_CHAT_MAX_TOOLS_BYTES) or session_too_long "
+    "(GATEWAY_MAX_SESSION_TOKENS)",
     422: "invalid_request: the body or a parameter is not what this document says (errors lists each problem)",
     429: "too_many_sessions (GATEWAY_MAX_SESSIONS)",
     500: "internal_error: a bug (the reference is in the gateway log)",
@@ -204,6 +207,47 @@ class Health(BaseModel):
     uptime_s: float
 
 
+# The chat APIs' answers, as each API defines them (the fields clients read; more may come, the gateway's own
+# ``gateway`` object among them).
+CHAT_COMPLETION = {
+    "type": "object",
+    "required": ["id", "object", "created", "model", "choices", "usage"],
+    "properties": {
+        "object": {"const": "chat.completion"},
+        "choices": {"type": "array", "items": {"type": "object", "required": ["index", "message", "finish_reason"]}},
+        "usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"]},
+    },
+}
+ANTHROPIC_MESSAGE = {
+    "type": "object",
+    "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"],
+    "properties": {
+        "type": {"const": "message"},
+        "role": {"const": "assistant"},
+        "content": {"type": "array", "items": {"type": "object", "required": ["type"]}},
+    },
+}
+ANTHROPIC_TOKEN_COUNT = {
+    "type": "object",
+    "required": ["input_tokens"],
+    "properties": {"input_tokens": {"type": "integer", "minimum": 0}},
+}
+RESPONSE = {
+    "type": "object",
+    "required": ["id", "object", "created_at", "status", "model", "output"],
+    "properties": {
+        "object": {"const": "response"},
+        "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]},
+        "output": {"type": "array", "items": {"type": "object", "required": ["type"]}},
+    },
+}
+
+
+def struct_request(model: type[msgspec.Struct], *, required: bool = True) -> dict[str, Any]:
+    """``openapi_extra`` for a chat route that validates its JSON body with the msgspec struct ``model``."""
+    return {"requestBody": {"required": required, "content": {JSON: {"schema": struct_ref(model)}}}}
+
+
 def json_request(model: type[BaseModel], *, required: bool) -> dict[str, Any]:
     """``openapi_extra`` for a route that validates its JSON body with ``model`` (read as JSON whatever its
     Content-Type; an empty body is ``{}`` unless ``required``)."""
@@ -230,7 +274,19 @@ def answers(
 
 
 # The operations a new session's id leads to (the v1 routes' operation ids).
-SESSION_OPERATIONS = ("get_session", "generate", "append", "abort", "get_sample", "delete_session")
+SESSION_OPERATIONS = (
+    "get_session",
+    "session_base",
+    "generate",
+    "append",
+    "abort",
+    "get_sample",
+    "delete_session",
+    "chat_completions",
+    "responses",
+    "anthropic_messages",
+    "anthropic_count_tokens",
+)
 
 
 def session_links() -> dict[str, Any]:
@@ -347,12 +403,24 @@ def _resolve(target: str) -> Any:
 
 
 def _schemas_of(name: str, target: Any) -> dict[str, Any]:
-    """The components a reference needs: a JSON schema dict as it is, or a pydantic model's schema and those of the
-    models it nests (pydantic's ``$defs``)."""
+    """The components a reference needs: a JSON schema dict as it is, a pydantic model's schema and those of the
+    models it nests (pydantic's ``$defs``), or a msgspec struct's (the chat routes' requests: all of them at once,
+    so that their structs of the same name, three APIs' ``MessageIn``, get names of their own)."""
     if isinstance(target, dict):
         return {name: copy.deepcopy(target)}
+    if isinstance(target, type) and issubclass(target, msgspec.Struct):
+        from gateway.chat.api import documented_requests
+
+        models = documented_requests()
+        _, components = msgspec.json.schema_components(models, ref_template=_SCHEMAS_PREFIX + "{name}")
+        return components
     schema = target.model_json_schema(ref_template=_SCHEMAS_PREFIX + "{model}")
     return {**schema.pop("$defs", {}), name: schema}
+
+
+def struct_ref(model: type[msgspec.Struct]) -> dict[str, Any]:
+    """A reference to a msgspec struct's schema (``_schemas_of``), under the name msgspec gives it."""
+    return component(model.__module__ + ":" + model.__qualname__, model.__name__)
 
 
 def _errors_in_our_schema(operation: dict[str, Any]) -> None:

@@ -218,6 +218,8 @@ def test_responses_tools_namespaces_custom_and_hosted(chat_gateway: Service, cha
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
         ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "answers no earlier"),
         ({"input": []}, "input"),
+        ({"input": [{"type": {}, "role": "user", "content": "x"}]}, "not supported"),
+        ({"input": "x", "tools": [{"type": {}, "name": "t"}]}, "tools.0.type"),
     ],
 )
 def test_bad_responses_requests_are_400s_in_openais_shape(

@@ -113,6 +113,13 @@ class MessageIn(ApiModel, kw_only=True):
     content: str | Annotated[list[AnyBlock], Meta(max_length=MAX_PARTS)]
 
 
+class SystemBlock(ApiModel, kw_only=True):
+    """A block of the top-level ``system`` prompt (its ``type`` checked: a lone tagged struct would not)."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ToolIn(ApiModel, kw_only=True):
     name: ToolName
     type: str | None = None  # "custom" (or none): the client's own tool; anything else: a server tool
@@ -134,7 +141,7 @@ class ThinkingIn(ApiModel, kw_only=True):
 class CountTokensRequest(ApiModel, kw_only=True):
     messages: Annotated[list[MessageIn], Meta(min_length=1, max_length=MAX_MESSAGES)]
     model: str | None = None
-    system: str | list[TextBlock] | None = None
+    system: str | list[SystemBlock] | None = None
     tools: Annotated[list[ToolIn], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoiceIn | None = None
     thinking: ThinkingIn | None = None
@@ -203,7 +210,7 @@ def _tools(tools: Any, hosted: HostedTools | None) -> tuple[Tool, ...]:
     return tuple(out)
 
 
-def _text(content: str | list[TextBlock]) -> str:
+def _text(content: str | list[SystemBlock]) -> str:
     return content if isinstance(content, str) else "\n".join(block.text for block in content)
 
 

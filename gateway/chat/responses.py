@@ -219,6 +219,14 @@ class ResponsesRequest(ApiModel, kw_only=True):
     top_logprobs: int | None = None
 
 
+class ResponsesRequestDoc(ResponsesRequest, kw_only=True):
+    """``ResponsesRequest`` as the OpenAPI document describes it: each input item and tool as its own schema (an
+    item's ``type`` given; hosted tools, which are accepted and left out, not listed)."""
+
+    input: str | Annotated[list[AnyItem], Meta(min_length=1, max_length=MAX_MESSAGES)]
+    tools: Annotated[list[ShownTool], Meta(max_length=MAX_TOOLS)] | None = None
+
+
 def parse_request(raw: bytes, hosted: HostedTools | None = None) -> ChatRequest:
     return to_chat_request(decode(raw, ResponsesRequest), hosted)
 
@@ -263,7 +271,7 @@ def _items(values: list[dict[str, Any]]) -> list[AnyItem]:
     items = []
     for i, value in enumerate(values):
         kind = value.get("type", "message")
-        if kind not in ITEM_TYPES:
+        if not isinstance(kind, str) or kind not in ITEM_TYPES:
             raise ChatRequestError(
                 f"input.{i}: input items of type {kind!r:.80} are not supported here (messages, function calls and "
                 "their outputs, reasoning)",
@@ -315,6 +323,8 @@ def _tools(
 
     for i, value in enumerate(values):
         kind = value.get("type")
+        if not isinstance(kind, str):
+            raise ChatRequestError(f"tools.{i}.type: a tool's type is a string", param=f"tools.{i}.type")
         if kind not in TOOL_TYPES:
             if hosted is not None:
                 hosted.left_out("responses", str(kind)[:80])

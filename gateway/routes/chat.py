@@ -14,10 +14,12 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from gateway import openapi as doc
 from gateway.chat import anthropic, openai, responses
 from gateway.chat.api import error_status
 from gateway.chat.messages import ChatRequest
@@ -36,22 +38,66 @@ SSE_HEADERS = {"cache-control": "no-cache"}
 _API_PATH = re.compile(r"^/v1/sessions/[^/]+/(?:(v1)(?:/|$)|(chat|responses|models|completions|embeddings)(?:/|$))")
 
 
-@router.post("/chat/completions")
+# Every chat route may answer these, in its API's own error shape (an ``error`` object with ``type`` and ``message``).
+CHAT_ERRORS = doc.errors(*doc.BODY_ERRORS, *doc.UPSTREAM_ERRORS, 404, 409, 501, 507)
+
+
+def _answers(description: str, answer: dict[str, Any]) -> dict[int | str, dict[str, Any]]:
+    return {**doc.answers(200, description, (doc.JSON, answer), (doc.SSE, doc.SSE_EVENT)), **CHAT_ERRORS}
+
+
+@router.post(
+    "/chat/completions",
+    operation_id="chat_completions",
+    openapi_extra=doc.struct_request(openai.ChatCompletionRequest),
+    responses=_answers(
+        "the completion (OpenAI Chat Completions); with `stream`, its chunks",
+        doc.component("gateway.openapi:CHAT_COMPLETION", "ChatCompletion"),
+    ),
+)
 async def chat_completions(session_id: str, request: Request, state: StateDep) -> Response:
     return await _chat(session_id, request, state, openai)
 
 
-@router.post("/responses")
+@router.post(
+    "/responses",
+    operation_id="responses",
+    openapi_extra=doc.struct_request(responses.ResponsesRequestDoc),
+    responses=_answers(
+        "the response (OpenAI Responses); with `stream`, its events",
+        doc.component("gateway.openapi:RESPONSE", "Response"),
+    ),
+)
 async def openai_responses(session_id: str, request: Request, state: StateDep) -> Response:
     return await _chat(session_id, request, state, responses)
 
 
-@router.post("/v1/messages")
+@router.post(
+    "/v1/messages",
+    operation_id="anthropic_messages",
+    openapi_extra=doc.struct_request(anthropic.MessagesRequest),
+    responses=_answers(
+        "the message (Anthropic Messages); with `stream`, its events",
+        doc.component("gateway.openapi:ANTHROPIC_MESSAGE", "AnthropicMessage"),
+    ),
+)
 async def anthropic_messages(session_id: str, request: Request, state: StateDep) -> Response:
     return await _chat(session_id, request, state, anthropic)
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post(
+    "/v1/messages/count_tokens",
+    operation_id="anthropic_count_tokens",
+    openapi_extra=doc.struct_request(anthropic.CountTokensRequest),
+    responses={
+        **doc.answers(
+            200,
+            "the prompt's tokens",
+            (doc.JSON, doc.component("gateway.openapi:ANTHROPIC_TOKEN_COUNT", "AnthropicTokenCount")),
+        ),
+        **doc.errors(*doc.BODY_ERRORS, 400, 404, 409, 501),
+    },
+)
 async def anthropic_count_tokens(session_id: str, request: Request, state: StateDep) -> Response:
     """The prompt a turn with these messages would give the model, in tokens: the template's rendering, tokenized,
     after the session's own tokens when the messages extend its record (nothing changes)."""
@@ -67,7 +113,12 @@ async def anthropic_count_tokens(session_id: str, request: Request, state: State
     return json_response(anthropic.count_json(tokens))
 
 
-@router.head("")
+@router.head(
+    "",
+    operation_id="session_base",
+    response_class=Response,
+    responses={200: {"description": "the session exists"}, **doc.errors(404)},
+)
 async def session_base(session_id: str, state: StateDep) -> Response:
     """Clients check their base URL is alive (Claude Code sends ``HEAD {base}``): 200 when the session exists."""
     await state.store.get(session_id)
