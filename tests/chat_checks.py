@@ -20,14 +20,17 @@ import numpy as np
 from safetensors.numpy import load
 
 
-def full_view(url: str, sid: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    response = httpx.get(f"{url}/v1/sessions/{sid}", params={"full": "true"}, headers=headers, timeout=30)
+def full_view(url: str, sid: str, headers: dict[str, str] | None = None, branch: int = 0) -> dict[str, Any]:
+    params = {"full": "true", "branch": str(branch)}
+    response = httpx.get(f"{url}/v1/sessions/{sid}", params=params, headers=headers, timeout=30)
     assert response.status_code == 200, response.text
     return response.json()
 
 
-def session_sample(url: str, sid: str, headers: dict[str, str] | None = None) -> dict[str, np.ndarray]:
-    response = httpx.get(f"{url}/v1/sessions/{sid}/sample", headers=headers, timeout=30)
+def session_sample(
+    url: str, sid: str, headers: dict[str, str] | None = None, branch: int = 0
+) -> dict[str, np.ndarray]:
+    response = httpx.get(f"{url}/v1/sessions/{sid}/sample", params={"branch": branch}, headers=headers, timeout=30)
     assert response.status_code == 200, response.text
     return load(response.content)
 
@@ -76,16 +79,23 @@ def render_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[
 
 
 def check_trajectory(
-    url: str, sid: str, tokenizer: Any, answers: list[str], headers: dict[str, str] | None = None
+    url: str,
+    sid: str,
+    tokenizer: Any,
+    answers: list[str],
+    headers: dict[str, str] | None = None,
+    *,
+    branch: int = 0,
+    branches: int = 1,
 ) -> dict[str, Any]:
-    """Assert the session holds one token-exact trajectory whose model tokens are ``answers`` (the scripted texts,
-    in order); returns the full view."""
-    view = full_view(url, sid, headers)
-    assert view["branch"] == 0 and len(view["branches"]) == 1, f"more than one branch: {view['branches']}"
+    """Assert the session holds ``branches`` branches (by default one), and ``branch`` is a token-exact trajectory
+    whose model tokens are ``answers`` (the scripted texts, in order); returns that branch's full view."""
+    view = full_view(url, sid, headers, branch)
+    assert view["branch"] == branch and len(view["branches"]) == branches, f"branches: {view['branches']}"
     record = view["chat"]["record"]
     messages, tools = template_messages(record)
     assert [m["role"] for m in messages].count("assistant") == len(answers), [m["role"] for m in messages]
-    arrays = session_sample(url, sid, headers)
+    arrays = session_sample(url, sid, headers, branch)
     tokens, mask = arrays["tokens"].tolist(), arrays["loss_mask"]
     eos = tokenizer.eos_token_id
     expected = render_ids(tokenizer, messages, tools, prompt=False)

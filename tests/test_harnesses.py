@@ -186,6 +186,31 @@ def test_claude_code_continue_extends_the_same_branch(
     assert [m["content"] for m in view["chat"]["record"]["messages"] if m["role"] == "user"][-1] == "Again"
 
 
+def test_claude_code_subagent_keeps_the_main_conversation_in_one_branch(
+    harness_gateway: Service, chat_sim: Service, tokenizer: Any, tmp_path: Path
+) -> None:
+    """The model starts an Explore subagent (Claude Code's Agent tool; in the foreground, so that the requests come
+    in a fixed order for the script): the subagent calls the same base URL with its own system prompt and becomes a
+    new root branch, and the main agent's next request, which extends its own record, stays in branch 0."""
+    sid = new_session(harness_gateway)
+    arguments = {
+        "description": "Find the config",
+        "prompt": "Find the config file and report its name.",
+        "subagent_type": "Explore",
+        "run_in_background": False,
+    }
+    call, report, final = hermes_call("Agent", arguments), "The config file is settings.toml.", "Found settings.toml."
+    script(chat_sim, sid, call, report, final)
+    code, events = run_claude(harness_gateway, sid, "Use an Explore agent to find the config", tmp_path)
+    assert code == 0 and claude_result(events)["result"] == final
+    main = check_trajectory(harness_gateway.url, sid, tokenizer, [call, final], AUTH, branches=2)
+    (result,) = recorded_tool_results(main)
+    assert report in result  # the subagent's report came back as the Agent tool's result
+    sub = check_trajectory(harness_gateway.url, sid, tokenizer, [report], AUTH, branch=1, branches=2)
+    assert sub["branches"][1] == sub["branches"][1] | {"parent": None, "cause": "new_root", "turns": 1}
+    assert any("Find the config file" in m["content"] for m in sub["chat"]["record"]["messages"] if m["role"] == "user")
+
+
 def test_claude_code_recovers_from_a_context_overflow_by_lowering_max_tokens(
     chat_sim: Service, tokenizer_dir: Path, tokenizer: Any, tmp_path: Path
 ) -> None:
