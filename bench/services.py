@@ -212,9 +212,11 @@ class Services:
 
     @property
     def chat_gateway(self) -> ServerProcess:
-        """A gateway as deployed, started with ``--tokenizer`` (the tiny chat tokenizer): its chat routes beside its
+        """A gateway as deployed for a reasoning coding model, started with ``--tokenizer`` (the tiny chat tokenizer)
+        and slime's Qwen3.6 parsers (``qwen3_coder`` tool calls, ``qwen3`` reasoning): its chat routes beside its
         token-level ones. A process of its own, so the other rows' gateway never loads transformers."""
-        return self._gateway("gateway (chat)", incremental=True, tokenizer=self.chat_tokenizer)
+        parsers = {"GATEWAY_CHAT_TOOL_PARSER": "qwen3_coder", "GATEWAY_CHAT_REASONING_PARSER": "qwen3"}
+        return self._gateway("gateway (chat)", incremental=True, tokenizer=self.chat_tokenizer, env=parsers)
 
     @property
     def chat_simulator(self) -> ServerProcess:

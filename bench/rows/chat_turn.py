@@ -41,6 +41,14 @@ NAME = "chat turn vs token turn"
 JSON = [(b"content-type", b"application/json")]
 GOAL = 1.2
 TEMPLATE_TOKENS = 8  # what the template puts around a user message (its role line, the close, the generation prompt)
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the web",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
 
 _SENTENCE = (  # the words user messages are made of
     "the weather in Paris is sunny today and the forecast for tomorrow morning calls for light rain over Berlin "
@@ -117,7 +125,8 @@ class Sides:
         return elapsed, cpu, float(second["gateway"]["render_ms"]), second["gateway"]
 
     def inputs(self, items: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"input": items, "max_output_tokens": self.shape.response_tokens, "store": False}
+        tool = {"type": "function", **TOOL["function"]}
+        return {"input": items, "tools": [tool], "max_output_tokens": self.shape.response_tokens, "store": False}
 
     def check_responses(self, raw: bytes) -> dict[str, Any]:
         answer = orjson.loads(raw)
@@ -126,7 +135,8 @@ class Sides:
         return answer
 
     def turn(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"messages": messages, "max_tokens": self.shape.response_tokens}
+        # A tool, as agents send: the answer goes through the tool-call parser (and the reasoning parser) too.
+        return {"messages": messages, "tools": [TOOL], "max_tokens": self.shape.response_tokens}
 
     def check_chat(self, raw: bytes) -> dict[str, Any]:
         answer = orjson.loads(raw)
@@ -249,8 +259,10 @@ def run(ctx: Context) -> RowResult:
             f"{ctx.suite.moe.describe()}, routing + top-p replay (ignore_eos, top-p flag and temperature in the "
             "session's sampling_defaults)",
             "one gateway, started with --tokenizer (the tiny byte-level BPE chat tokenizer of "
-            "gateway.simulator.tiny_tokenizer, ChatML/Qwen-style template), serves both sides; the simulator "
-            "answers with its own vocabulary ids (the gateway does not check them against the tokenizer)",
+            "gateway.simulator.tiny_tokenizer, ChatML/Qwen-style template) and slime's Qwen3.6 parsers "
+            "(GATEWAY_CHAT_TOOL_PARSER=qwen3_coder, GATEWAY_CHAT_REASONING_PARSER=qwen3; the chat requests carry one "
+            "tool, so each answer goes through both), serves both sides; the simulator answers with its own "
+            "vocabulary ids (the gateway does not check them against the tokenizer)",
             "the pairing: the second turn of each kind of session, on sequences of identical lengths. chat: POST "
             "/v1/sessions/{id}/chat/completions carrying the whole history (the first user message, the assistant's "
             "reply as it came back, the new user message): request parsed, history matched against the session's "
