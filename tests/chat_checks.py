@@ -1,4 +1,5 @@
-"""What every agent test checks of the session it leaves: the trajectory the gateway recorded is token-exact.
+"""The chat tests' kit: what every agent test checks of the session it leaves (the trajectory the gateway
+recorded is token-exact), and the helpers they share to make sessions, script the simulator and call the APIs.
 
 ``check_trajectory`` reads the session's record of the conversation (``GET /v1/sessions/{id}?full=true``: every
 message whole, the tools with their schemas) and its sample, and asserts, independently of the gateway's code:
@@ -13,11 +14,97 @@ message whole, the tools with their schemas) and its sample, and asserts, indepe
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
+import anthropic
 import httpx
 import numpy as np
+import openai
+from conftest import SIM_LAYERS, SIM_TOPK, Service
 from safetensors.numpy import load
+
+TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
+
+
+# ---- sessions, scripts, clients ----------------------------------------------------------------------------------
+def new_session(
+    gateway: Service,
+    *,
+    moe: bool = True,
+    top_p: bool = True,
+    headers: dict[str, str] | None = None,
+    prefix: str = "chat",
+) -> str:
+    """A chat session (no prompt_ids): the simulator's MoE shape for routing replay, top-p replay by default."""
+    sid = f"{prefix}-{uuid.uuid4().hex[:10]}"
+    body: dict[str, Any] = {"session_id": sid, "sampling_defaults": TOP_P if top_p else {}}
+    if moe:
+        body |= {"num_layers": SIM_LAYERS, "moe_router_topk": SIM_TOPK}
+    response = httpx.post(f"{gateway.url}/v1/sessions", json=body, headers=headers)
+    assert response.status_code == 201, response.text
+    return sid
+
+
+def script(sim: Service, sid: str, *answers: str | list[int]) -> None:
+    """The simulator's next answers for the session's turns, in order: a text (the model's, encoded with the
+    simulator's tokenizer, then eos) or token ids."""
+    items = [{"text": a} if isinstance(a, str) else {"token_ids": a} for a in answers]
+    response = httpx.post(f"{sim.url}/sim/script", json={"rid_prefix": f"{sid}-", "answers": items})
+    assert response.status_code == 200, response.text
+
+
+def hermes_call(name: str, arguments: dict[str, Any]) -> str:
+    """A tool call as the model writes it, exactly as the tiny template renders one (Hermes style)."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def view(
+    gateway: Service, sid: str, branch: int | None = None, headers: dict[str, str] | None = None
+) -> dict[str, Any]:
+    params = {} if branch is None else {"branch": branch}
+    response = httpx.get(f"{gateway.url}/v1/sessions/{sid}", params=params, headers=headers)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def sample(
+    gateway: Service, sid: str, branch: int | None = None, headers: dict[str, str] | None = None
+) -> dict[str, np.ndarray]:
+    params = {} if branch is None else {"branch": branch}
+    response = httpx.get(f"{gateway.url}/v1/sessions/{sid}/sample", params=params, headers=headers)
+    assert response.status_code == 200, response.text
+    return load(response.content)
+
+
+def metric(gateway: Service, name: str) -> float:
+    """One sample's value from ``/metrics`` (0 when absent): ``name`` with its labels, as the text shows them."""
+    for line in httpx.get(f"{gateway.url}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def openai_client(gateway: Service, sid: str, **kwargs: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="unused", max_retries=0, **kwargs)
+
+
+def anthropic_client(gateway: Service, sid: str, **kwargs: Any) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="unused", max_retries=0, **kwargs)
+
+
+def anthropic_turn(client: anthropic.Anthropic, *, stream: bool, **kwargs: Any) -> Any:
+    """One Messages turn, unary or streamed (then the streamed text must equal the final message's)."""
+    if not stream:
+        return client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as events:
+        text = "".join(events.text_stream)
+        message = events.get_final_message()
+    assert text == "".join(block.text for block in message.content if block.type == "text")
+    return message
+
+
+# ---- the trajectory ------------------------------------------------------------------------------------------------
 
 
 def full_view(url: str, sid: str, headers: dict[str, str] | None = None, branch: int = 0) -> dict[str, Any]:
@@ -27,9 +114,7 @@ def full_view(url: str, sid: str, headers: dict[str, str] | None = None, branch:
     return response.json()
 
 
-def session_sample(
-    url: str, sid: str, headers: dict[str, str] | None = None, branch: int = 0
-) -> dict[str, np.ndarray]:
+def session_sample(url: str, sid: str, headers: dict[str, str] | None = None, branch: int = 0) -> dict[str, np.ndarray]:
     response = httpx.get(f"{url}/v1/sessions/{sid}/sample", params={"branch": branch}, headers=headers, timeout=30)
     assert response.status_code == 200, response.text
     return load(response.content)

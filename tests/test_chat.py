@@ -24,10 +24,20 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from chat_checks import (
+    TOP_P,
+    anthropic_client,
+    metric,
+    new_session,
+    openai_client,
+    sample,
+    script,
+    view,
+)
+from chat_checks import anthropic_turn as kit_anthropic_turn
 from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway
 from safetensors.numpy import load
 
-TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -44,47 +54,9 @@ FINAL_TEXT = "It is sunny in Paris, 21 degrees."
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
-def new_session(gateway: Service, *, moe: bool = True, top_p: bool = True) -> str:
-    sid = f"chat-{uuid.uuid4().hex[:10]}"
-    body: dict[str, Any] = {"session_id": sid, "sampling_defaults": TOP_P if top_p else {}}
-    if moe:
-        body |= {"num_layers": SIM_LAYERS, "moe_router_topk": SIM_TOPK}
-    response = httpx.post(f"{gateway.url}/v1/sessions", json=body)
-    assert response.status_code == 201, response.text
-    return sid
-
-
-def script(sim: Service, sid: str, *answers: str | list[int]) -> None:
-    items = [{"text": a} if isinstance(a, str) else {"token_ids": a} for a in answers]
-    response = httpx.post(f"{sim.url}/sim/script", json={"rid_prefix": f"{sid}-", "answers": items})
-    assert response.status_code == 200, response.text
-
-
-def view(gateway: Service, sid: str, branch: int | None = None) -> dict[str, Any]:
-    params = {} if branch is None else {"branch": branch}
-    response = httpx.get(f"{gateway.url}/v1/sessions/{sid}", params=params)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def sample(gateway: Service, sid: str, branch: int | None = None) -> dict[str, np.ndarray]:
-    params = {} if branch is None else {"branch": branch}
-    response = httpx.get(f"{gateway.url}/v1/sessions/{sid}/sample", params=params)
-    assert response.status_code == 200, response.text
-    return load(response.content)
-
-
 def stable(state: dict[str, Any]) -> dict[str, Any]:
     """A session view without the fields that change on every request."""
     return {k: v for k, v in state.items() if k not in ("updated_at", "busy")}
-
-
-def openai_client(gateway: Service, sid: str, **kwargs: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="unused", max_retries=0, **kwargs)
-
-
-def anthropic_client(gateway: Service, sid: str, **kwargs: Any) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="unused", max_retries=0, **kwargs)
 
 
 def rendered_ids(tokenizer: Any, messages: list[dict[str, Any]], *, generation_prompt: bool = False) -> list[int]:
@@ -270,15 +242,8 @@ ANTHROPIC_TOOLS = [
 
 
 def anthropic_turn(client: anthropic.Anthropic, messages: list[dict[str, Any]], *, stream: bool) -> Any:
-    kwargs: dict[str, Any] = {"model": "tiny", "max_tokens": 64, "system": SYSTEM, "messages": messages}
-    kwargs["tools"] = ANTHROPIC_TOOLS
-    if not stream:
-        return client.messages.create(**kwargs)
-    with client.messages.stream(**kwargs) as events:
-        text = "".join(events.text_stream)
-        message = events.get_final_message()
-    assert text == "".join(block.text for block in message.content if block.type == "text")
-    return message
+    kwargs = {"model": "tiny", "max_tokens": 64, "system": SYSTEM, "tools": ANTHROPIC_TOOLS}
+    return kit_anthropic_turn(client, stream=stream, messages=messages, **kwargs)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
@@ -327,13 +292,6 @@ def run_two_turns(gateway: Service, sim: Service, sid: str) -> list[dict[str, An
     messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "sunny"}]
     reply, _, _ = openai_chat(client, messages, stream=False, max_tokens=64)
     return [*messages, reply]
-
-
-def metric(gateway: Service, name: str) -> float:
-    for line in httpx.get(f"{gateway.url}/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def test_an_edited_tool_result_forks_a_branch_from_the_models_last_message(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,18 @@ import anthropic
 import httpx
 import openai
 import pytest
-from chat_checks import check_trajectory, full_view, session_sample
-from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway
+from chat_checks import (
+    anthropic_client,
+    check_trajectory,
+    full_view,
+    hermes_call,
+    new_session,
+    openai_client,
+    script,
+    session_sample,
+)
+from conftest import Service, run_gateway
 
-TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -31,33 +38,6 @@ WEATHER = {
 }
 CALL_TEXT = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 FINAL_TEXT = "It is sunny in Paris, 21 degrees."
-
-
-def new_session(gateway: Service, *, moe: bool = True) -> str:
-    sid = f"api-{uuid.uuid4().hex[:10]}"
-    body: dict[str, Any] = {"session_id": sid, "sampling_defaults": TOP_P}
-    if moe:
-        body |= {"num_layers": SIM_LAYERS, "moe_router_topk": SIM_TOPK}
-    response = httpx.post(f"{gateway.url}/v1/sessions", json=body)
-    assert response.status_code == 201, response.text
-    return sid
-
-
-def script(sim: Service, sid: str, *answers: str) -> None:
-    body = {"rid_prefix": f"{sid}-", "answers": [{"text": a} for a in answers]}
-    assert httpx.post(f"{sim.url}/sim/script", json=body).status_code == 200
-
-
-def hermes_call(name: str, arguments: dict[str, Any]) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
-
-
-def openai_client(gateway: Service, sid: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="unused", max_retries=0)
-
-
-def anthropic_client(gateway: Service, sid: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="unused", max_retries=0)
 
 
 def stable_view(gateway: Service, sid: str) -> dict[str, Any]:

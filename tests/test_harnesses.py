@@ -17,21 +17,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from chat_checks import check_trajectory, full_view
-from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway
+from chat_checks import check_trajectory, full_view, hermes_call, script
+from chat_checks import new_session as kit_new_session
+from conftest import Service, run_gateway
 from procs import REPO_ROOT
 
 HARNESS_DIR = REPO_ROOT / ".harnesses"
 KEY = "harness-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
 RUN_TIMEOUT_S = 180
 
 
@@ -53,22 +52,7 @@ def harness_gateway(chat_sim: Service, tokenizer_dir: Path) -> Iterator[Service]
 
 
 def new_session(gateway: Service) -> str:
-    sid = f"agent-{uuid.uuid4().hex[:10]}"
-    body = {"session_id": sid, "num_layers": SIM_LAYERS, "moe_router_topk": SIM_TOPK, "sampling_defaults": TOP_P}
-    response = httpx.post(f"{gateway.url}/v1/sessions", json=body, headers=AUTH)
-    assert response.status_code == 201, response.text
-    return sid
-
-
-def script(sim: Service, sid: str, *answers: str) -> None:
-    body = {"rid_prefix": f"{sid}-", "answers": [{"text": a} for a in answers]}
-    response = httpx.post(f"{sim.url}/sim/script", json=body)
-    assert response.status_code == 200, response.text
-
-
-def hermes_call(name: str, arguments: dict[str, Any]) -> str:
-    """A tool call as the model writes it, exactly as the tiny template renders one (Hermes style)."""
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+    return kit_new_session(gateway, headers=AUTH, prefix="agent")
 
 
 def recorded_tool_results(view: dict[str, Any]) -> list[str]:

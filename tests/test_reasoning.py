@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from chat_checks import check_trajectory, full_view, session_sample
-from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway
+from chat_checks import check_trajectory, full_view, metric, new_session, openai_client, script, session_sample
+from conftest import Service, run_gateway
 
-TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
 WEATHER = {
     "type": "function",
     "function": {
@@ -124,29 +122,6 @@ def gateway_for(chat_sim: Service, tokenizer: Path, **settings: str) -> Any:
 def reasoning_gateway(chat_sim: Service, qwen3_dir: Path) -> Iterator[Service]:
     with gateway_for(chat_sim, qwen3_dir) as service:
         yield service
-
-
-def new_session(gateway: Service) -> str:
-    sid = f"think-{uuid.uuid4().hex[:10]}"
-    body = {"session_id": sid, "num_layers": SIM_LAYERS, "moe_router_topk": SIM_TOPK, "sampling_defaults": TOP_P}
-    assert httpx.post(f"{gateway.url}/v1/sessions", json=body).status_code == 201
-    return sid
-
-
-def script(sim: Service, sid: str, *answers: str) -> None:
-    body = {"rid_prefix": f"{sid}-", "answers": [{"text": a} for a in answers]}
-    assert httpx.post(f"{sim.url}/sim/script", json=body).status_code == 200
-
-
-def openai_client(gateway: Service, sid: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="unused", max_retries=0)
-
-
-def metric(gateway: Service, name: str) -> float:
-    for line in httpx.get(f"{gateway.url}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def chat(client: openai.OpenAI, messages: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:

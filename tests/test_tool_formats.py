@@ -25,6 +25,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from chat_checks import anthropic_turn as kit_anthropic_turn
 from chat_checks import check_trajectory
 from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway, run_simulator
 
@@ -241,20 +242,8 @@ def test_text_that_only_looks_like_a_call_start_is_content(stack: Stack) -> None
 
 # ---- Anthropic ------------------------------------------------------------------------------------------------------
 def anthropic_turn(client: anthropic.Anthropic, messages: list[dict[str, Any]], *, stream: bool) -> Any:
-    kwargs: dict[str, Any] = {
-        "model": "tiny",
-        "max_tokens": 200,
-        "system": SYSTEM,
-        "messages": messages,
-        "tools": ANTHROPIC_TOOLS,
-    }
-    if not stream:
-        return client.messages.create(**kwargs)
-    with client.messages.stream(**kwargs) as events:
-        text = "".join(events.text_stream)
-        message = events.get_final_message()
-    assert text == "".join(block.text for block in message.content if block.type == "text")
-    return message
+    kwargs = {"model": "tiny", "max_tokens": 200, "system": SYSTEM, "tools": ANTHROPIC_TOOLS}
+    return kit_anthropic_turn(client, stream=stream, messages=messages, **kwargs)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])

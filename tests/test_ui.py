@@ -30,6 +30,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from chat_checks import sample, script, view
 from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway
 from procs import REPO_ROOT
 from safetensors.numpy import load
@@ -82,12 +83,6 @@ def chat_session(gateway: Service, **extra: Any) -> str:
     return new_session(gateway, num_layers=SIM_LAYERS, moe_router_topk=SIM_TOPK, sampling_defaults=top_p, **extra)
 
 
-def script(sim: Service, sid: str, *answers: str) -> None:
-    body = {"rid_prefix": f"{sid}-", "answers": [{"text": a} for a in answers]}
-    response = httpx.post(f"{sim.url}/sim/script", json=body)
-    assert response.status_code == 200, response.text
-
-
 def chat(gateway: Service, sid: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
     client = openai.OpenAI(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="unused", max_retries=0)
     completion = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=256)
@@ -96,19 +91,6 @@ def chat(gateway: Service, sid: str, messages: list[dict[str, Any]]) -> dict[str
 
 def compact_json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
-def view(gateway: Service, sid: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    response = httpx.get(f"{gateway.url}/v1/sessions/{sid}", headers=headers)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def sample(gateway: Service, sid: str, branch: int | None = None) -> dict[str, np.ndarray]:
-    params = {} if branch is None else {"branch": branch}
-    response = httpx.get(f"{gateway.url}/v1/sessions/{sid}/sample", params=params)
-    assert response.status_code == 200, response.text
-    return load(response.content)
 
 
 def agent_session(gateway: Service, sim: Service) -> str:
@@ -197,27 +179,34 @@ async def count(page: Any, selector: str) -> int:
 
 
 async def hover_token(page: Any, index: int) -> None:
-    """Bring token ``index`` into view with the scroll bar, then move the mouse onto it in the token row (again if a
-    late scroll event moved the strip under the mouse meanwhile)."""
+    """Bring token ``index`` into view with the scroll bar, then move the mouse onto it in the token row. Each
+    attempt scrolls again: a zoom change just before may still be growing the scroll bar's range (a scroll set
+    meanwhile stops short), or a late scroll event may move the strip under the mouse."""
     from playwright.async_api import TimeoutError as PlaywrightTimeout
 
-    await page.evaluate(
-        """(i) => {
-            const canvas = document.getElementById("tracks-canvas");
-            document.getElementById("hscroll").scrollLeft = Math.max(0, i * +canvas.dataset.cellWidth - 300);
-        }""",
-        index,
-    )
     for attempt in range(5):
+        await page.evaluate(
+            """(i) => {
+                const canvas = document.getElementById("tracks-canvas");
+                document.getElementById("hscroll").scrollLeft = Math.max(0, i * +canvas.dataset.cellWidth - 300);
+            }""",
+            index,
+        )
         await page.wait_for_function(
             """() => Math.abs(+document.getElementById("tracks-canvas").dataset.scroll
                      - document.getElementById("hscroll").scrollLeft) < 1"""
         )
-        box = await page.locator("#tracks-canvas").bounding_box()
-        data = await page.evaluate("() => ({...document.getElementById('tracks-canvas').dataset})")
-        cell = float(data["cellWidth"])
-        x = box["x"] + float(data["gutter"]) + index * cell - float(data["scroll"]) + cell / 2
-        await page.mouse.move(x, box["y"] + float(data["tokenY"]) + attempt)  # a move even at the same x
+        await page.mouse.move(0, 0)  # off the strip: the next move is a change whatever was hovered before
+        # Where the token is now, read after two frames (a redraw queued by a late scroll event has run).
+        spot = await page.evaluate(
+            """(i) => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(() => {
+                const canvas = document.getElementById("tracks-canvas"), data = canvas.dataset;
+                const box = canvas.getBoundingClientRect(), cell = +data.cellWidth;
+                done([box.left + +data.gutter + i * cell - +data.scroll + cell / 2, box.top + +data.tokenY]);
+            })))""",
+            index,
+        )
+        await page.mouse.move(spot[0], spot[1] + attempt)
         try:
             await page.wait_for_function(
                 "(i) => document.getElementById('detail-position').textContent.replace(/,/g, '').startsWith(i + ' of')",
