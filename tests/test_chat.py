@@ -576,3 +576,30 @@ async def test_the_sdk_creates_chat_sessions_and_fetches_every_branch(chat_gatew
         assert root.branch == 0 and root.tokens.tolist() == samples[0].tokens.tolist()
         assert (await session.fetch(branch=1)).tokens.tolist() == samples[1].tokens.tolist()
         assert samples[0].rollout_routed_experts is not None and samples[1].rollout_routed_experts is not None
+
+
+def test_turns_on_different_branches_run_at_once_and_a_busy_branch_is_a_409(
+    chat_gateway: Service, chat_sim: Service
+) -> None:
+    """A turn holds its branch, not the session: while one conversation's turn runs (the simulator holds its answer),
+    another conversation on the same session (a subagent: a new root branch) is answered, and a second request for
+    the busy branch gets 409 session_busy (the clients retry a 409)."""
+    sid = new_session(chat_gateway, moe=False)
+    # The held request takes its answer after its delay: the side request, arriving meanwhile, takes the next one.
+    script(chat_sim, sid, "First answer.", "Side answer.", "Held answer.")
+    main: list[dict[str, Any]] = [{"role": "system", "content": "Main."}, {"role": "user", "content": "Start."}]
+    reply, _, _ = openai_chat(openai_client(chat_gateway, sid), main, stream=False, max_tokens=16)
+    main += [reply, {"role": "user", "content": "Go on."}]
+    assert httpx.post(f"{chat_sim.url}/sim/faults", json={"mode": "delay", "delay_s": 3.0}).status_code == 200
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(openai_chat, openai_client(chat_gateway, sid), main, stream=False, max_tokens=16)
+        wait_until(lambda: view(chat_gateway, sid)["branches"][0]["busy"])
+        side = [{"role": "system", "content": "Side agent."}, {"role": "user", "content": "Look."}]
+        side_reply, _, _ = openai_chat(openai_client(chat_gateway, sid), side, stream=False, max_tokens=16)
+        assert side_reply["content"] == "Side answer." and not held.done()
+        with pytest.raises(openai.ConflictError) as busy:
+            openai_chat(openai_client(chat_gateway, sid), main, stream=False, max_tokens=16)
+        assert busy.value.code == "session_busy"
+        assert held.result(timeout=30)[0]["content"] == "Held answer."
+    root, other = view(chat_gateway, sid)["branches"]
+    assert root["turns"] == 3 and other == other | {"parent": None, "cause": "new_root", "turns": 1}

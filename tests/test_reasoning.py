@@ -365,3 +365,50 @@ def test_a_subagent_and_the_main_conversation_keep_their_own_branches(
     messages = view["chat"]["record"]["messages"]
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
     assert json.loads(json.dumps(messages[-1]["content"])) == "It is sunny in Paris."
+
+
+@pytest.mark.parametrize("policy", ["append", "fork"])
+def test_an_agent_conversation_then_a_new_user_turn_under_each_policy(
+    chat_sim: Service, qwen3_dir: Path, qwen3_tokenizer: Any, policy: str
+) -> None:
+    """A tool loop (no rewrite: the answers stay after the last user query), then the user's next words: the
+    template now drops both answers' reasoning. ``append`` keeps one trajectory (the model's tokens, then what the
+    template renders after them); ``fork`` starts a branch whose prompt is the conversation as rendered now."""
+    with gateway_for(chat_sim, qwen3_dir, rewrite_policy=policy) as gateway:
+        sid = new_session(gateway)
+        script(chat_sim, sid, THINK_CALL, THINK_FINAL, THINK_NEXT)
+        client = openai_client(gateway, sid)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+        first = chat(client, messages, stream=False)
+        messages += [first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "sunny"}]
+        messages.append(chat(client, messages, stream=False))
+        assert metric(gateway, 'gateway_chat_drift_total{cause="rewrite"}') == 0  # the tool loop rewrote nothing
+        messages.append({"role": "user", "content": "And tomorrow?"})
+        third = chat(client, messages, stream=False)
+        assert third["content"] == "Rain tomorrow."
+        assert metric(gateway, 'gateway_chat_drift_total{cause="rewrite"}') == 1
+        view = full_view(gateway.url, sid)
+        if policy == "append":
+            assert len(view["branches"]) == 1 and view["turns"] == 5
+            arrays = session_sample(gateway.url, sid)
+            tokens, mask = arrays["tokens"].tolist(), arrays["loss_mask"]
+            eos = qwen3_tokenizer.eos_token_id
+            texts = (THINK_CALL, THINK_FINAL, THINK_NEXT)
+            answers = [[*qwen3_tokenizer.encode(t, add_special_tokens=False), eos] for t in texts]
+            # Every answer as the model wrote it (reasoning kept), trained; the last one ends the session.
+            assert int(mask.sum()) == sum(map(len, answers)) and tokens[-len(answers[2]) :] == answers[2]
+            for answer in answers[:2]:
+                starts = [i for i in range(len(tokens)) if tokens[i : i + len(answer)] == answer]
+                assert len(starts) == 1
+            return
+        root, fork = view["branches"]
+        assert root["turns"] == 3 and fork == fork | {"parent": 0, "cause": "rewrite", "turns": 1}
+        conversation = [*messages, third]
+        for message in conversation:  # arguments as objects, as templates take them (and the gateway gives them)
+            for call in message.get("tool_calls", ()):
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        full = qwen3_tokenizer.apply_chat_template(conversation, tools=[WEATHER], tokenize=False)
+        expected = qwen3_tokenizer.encode(full, add_special_tokens=False)
+        fork_tokens = session_sample(gateway.url, sid, branch=1)["tokens"].tolist()
+        assert fork_tokens == expected[:-1]  # the deployed model's view: earlier reasoning gone, as now rendered
+        assert "I should look the weather up." not in qwen3_tokenizer.decode(fork_tokens)
