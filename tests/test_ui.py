@@ -528,6 +528,11 @@ async def test_a_demo_session_shows_what_the_json_view_says(
     assert await count(page, "#count-trainable") == int(fork["loss_mask"].sum())
     assert await count(page, "#count-turns") == state["branches"][1]["turns"]
     assert await text(page, "#count-branch") == "1 (from b0)"
+    fork_chat = view(chat_gateway, sid, branch=1)["chat"]["messages"]  # that branch's own record, not the root's
+    contents = await page.locator("#chat .content").all_text_contents()
+    assert [m["content"][:20] for m in fork_chat] == [t[:20] for t in contents] and contents != [
+        m["content"] for m in state["chat"]["messages"]
+    ]
     assert await page.locator("#branch-tree button[aria-current='true']").get_attribute("data-branch") == "1"
     await page.screenshot(path=str(tmp_path / "branch-1.png"), full_page=True)
     await page.click("#branch-tree button[data-branch='0']")

@@ -605,7 +605,7 @@
   function branchLine(b) {
     const parts = [b.status, `${number(b.total_tokens)} tokens`, `${number(b.turns)} turns`];
     if (b.parent !== undefined && b.parent !== null) parts.push(`parent b${b.parent}`);
-    if (b.fork_token !== undefined && b.fork_token !== null) parts.push(`forks at token ${number(b.fork_token)}`);
+    if (b.parent !== undefined && b.parent !== null && b.fork_token !== undefined && b.fork_token !== null) parts.push(`forks at token ${number(b.fork_token)}`);
     if (b.first_difference !== undefined && b.first_difference !== null) parts.push(`first difference at ${JSON.stringify(b.first_difference)}`);
     for (const key of ["cause", "drift"]) if (b[key] !== undefined && b[key] !== null) parts.push(`cause: ${typeof b[key] === "string" ? b[key] : JSON.stringify(b[key])}`);
     if (b.model) parts.push(`model ${b.model}`);
@@ -656,7 +656,7 @@
     setText("metadata", JSON.stringify(view.metadata || {}));
     const sampleQuery = S.branch === 0 ? "" : `?branch=${S.branch}`;
     document.getElementById("sample-link").href = `/v1/sessions/${encodeURIComponent(sessionId)}/sample${sampleQuery}`;
-    document.getElementById("json-link").href = `/v1/sessions/${encodeURIComponent(sessionId)}`;
+    document.getElementById("json-link").href = viewPath(S.branch === 0 ? null : S.branch);
   }
 
   function renderLegends() {
@@ -797,6 +797,11 @@
   }
 
   // ---- loading -------------------------------------------------------------------------------------------------
+  function viewPath(branch) {
+    const query = branch === null || branch === undefined ? "" : `?branch=${branch}`;
+    return `/v1/sessions/${encodeURIComponent(sessionId)}${query}`;
+  }
+
   async function fetchBranch(branch) {
     const started = performance.now();
     const query = branch === null || branch === undefined ? "" : `?branch=${branch}`;
@@ -842,7 +847,11 @@
     url.searchParams.set("branch", String(branch));
     window.history.replaceState(null, "", url);
     try {
-      await loadBranch(branch);
+      const data = fetchBranch(branch); // both requests at once
+      data.catch(() => {});
+      S.view = await api(viewPath(branch)); // that branch's chat record
+      renderChat();
+      await loadBranch(branch, data);
       document.body.dataset.ready = "1";
     } catch (exc) {
       showError(exc);
@@ -861,7 +870,7 @@
     const branch = wanted === null ? null : parseInt(wanted, 10);
     const data = fetchBranch(branch); // both requests at once
     data.catch(() => {}); // awaited below; a failure there is reported once
-    S.view = await api(`/v1/sessions/${encodeURIComponent(sessionId)}`);
+    S.view = await api(viewPath(branch));
     document.getElementById("inspector").hidden = false;
     renderChat();
     await loadBranch(branch, data);
