@@ -207,7 +207,7 @@ class Trajectory:
 
 
 def last_error(sample: SessionSample) -> str | None:
-    """Why the live trajectory's last model turn ended early (an abort: the caller's, a hang-up, the upstream's),
+    """Why a trajectory's last model turn ended early (an abort: the caller's, a hang-up, the upstream's),
     or None when it ended normally. Failed turns leave no trace: they change nothing (all or nothing)."""
     for turn in reversed(sample.turns):
         if turn.kind == "model":

@@ -414,14 +414,15 @@ class Session:
         return SessionState.from_json(answer)
 
     async def fetch(self, branch: int | None = None) -> RolloutSample:
-        """The compact sample (safetensors) as torch tensors: the live trajectory, or ``branch`` (a chat session
-        whose history was edited has several; ``fetch_all`` gets them all)."""
+        """The compact sample (safetensors) as torch tensors: the root branch's, or ``branch``'s (a chat session grows
+        a tree of them: edited histories, side conversations; ``fetch_all`` gets them all)."""
         params = None if branch is None else f"?branch={branch}"
         content = await self.client._safetensors("GET", f"{self._path}/sample{params or ''}", idempotent=True)
         return RolloutSample.from_safetensors(content)
 
     async def fetch_all(self) -> list[RolloutSample]:
-        """Every trajectory of the session, one sample each (one for a session that never forked)."""
+        """Every branch of the session, one sample each, in the order they were started (one for a session that never
+        forked); each sample's metadata says where its branch stands in the tree (``parent``, ``fork_token``, ...)."""
         return await self.client.fetch_samples([self.session_id])
 
     @property

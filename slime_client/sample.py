@@ -92,10 +92,16 @@ class RolloutSample:
     spec_counters: dict[str, int] = field(default_factory=dict)
     turns: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
-    # A chat session whose history was edited holds several trajectories (branches), each its own sample: this
-    # one's index, and how many the session has.
+    # A chat session grows a tree of branches (edited histories, side conversations), each its own sample: this
+    # one's index, how many the session has, and where this one stands (its parent, the tokens it shares with it,
+    # the first message that differed, why it exists, the model name of the request that started it).
     branch: int = 0
     branches: int = 1
+    parent: int | None = None
+    fork_token: int = 0
+    first_difference: int | None = None
+    cause: str | None = None
+    model: str | None = None
 
     # ---- reading ---------------------------------------------------------------------------------------------
     @classmethod
@@ -149,6 +155,11 @@ class RolloutSample:
                 metadata=_json_field(meta, "metadata", {}),
                 branch=int(meta.get("branch", 0)),
                 branches=int(meta.get("branches", 1)),
+                parent=_optional_int(meta, "parent"),
+                fork_token=int(meta.get("fork_token") or 0),
+                first_difference=_optional_int(meta, "first_difference"),
+                cause=meta.get("cause") or None,
+                model=meta.get("model") or None,
             )
         except (KeyError, ValueError, orjson.JSONDecodeError) as exc:
             raise GatewayResponseError(f"sample is missing or has an invalid field: {exc!r}") from exc
@@ -417,4 +428,4 @@ def _json_field(meta: dict[str, str], key: str, default: Any) -> Any:
 
 def _optional_int(meta: dict[str, str], key: str) -> int | None:
     value = meta.get(key)
-    return None if value is None else int(value)
+    return None if value is None or value == "" else int(value)  # "": none (safetensors metadata is all text)

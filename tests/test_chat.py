@@ -571,6 +571,7 @@ async def test_the_sdk_creates_chat_sessions_and_fetches_every_branch(chat_gatew
         await client.chat.completions.create(model="tiny", messages=edited, max_tokens=16)
         samples = await session.fetch_all()
         assert [(s.branch, s.branches) for s in samples] == [(0, 2), (1, 2)]
+        assert [(s.parent, s.cause, s.model) for s in samples] == [(None, None, "tiny"), (None, "new_root", "tiny")]
         assert [s.response for s in samples] == ["Hello.", "Hi again."]
         root = await session.fetch()
         assert root.branch == 0 and root.tokens.tolist() == samples[0].tokens.tolist()
