@@ -38,7 +38,7 @@ RewritePolicy = Literal["append", "fork"]
 @dataclass(frozen=True, slots=True)
 class ChatRecord:
     messages: tuple[ChatMessage, ...]
-    # Per message: the session's token count right after it when the model wrote it (where a branch can continue);
+    # Per message: the branch's token count right after it when the model wrote it (where a branch can continue);
     # None for messages that were rendered.
     ends: tuple[int | None, ...]
     tools: tuple[Tool, ...]
@@ -120,11 +120,11 @@ class ChatPlan:
     def new_branch(self, session: Session, model: str | None) -> Branch:
         """The branch this plan starts (its prompt so far: the parent's first ``fork_at`` tokens)."""
         assert self.branch is None
-        source = self.parent.sample if self.parent is not None else session.sample
+        source = self.parent.sample if self.parent is not None else session.sample  # a root: its replay settings
         return Branch(
-            source.branch(self.fork_at if self.parent is not None else 0),
+            source.branch(self.fork_at),  # fork_at is 0 for a new root
             parent=self.parent,
-            fork_token=self.fork_at if self.parent is not None else 0,
+            fork_token=self.fork_at,
             first_difference=self.first_difference,
             cause=self.cause,
             model=model,
