@@ -14,8 +14,11 @@ request, ``/health`` included, 503. ``GuardedHttpToolsProtocol`` (uvicorn's http
   and the route waiting for it, for ever);
 - the cap: past ``max_client_connections`` a new connection closes the connection idle longest (waiting for a head,
   or kept alive between requests), or, when none is idle, the one whose body has been arriving longest (answered
-  503 ``too_many_connections``). Only a server whose every connection has a whole request in flight refuses the new
-  one (503 ``too_many_connections``). So a flood of half-open connections or stalled bodies costs the flooder its
+  503 ``too_many_connections``). A connection that has sent nothing yet is not idle for its first ``FRESH_GRACE_S``
+  (its request is likely already on the way: in a burst of new connections, each would otherwise close the one
+  accepted just before it, whose bytes the loop had not read yet); it is closed before a receiving one only once
+  that has passed. Only a server whose every connection has a whole request in flight refuses the new one (503
+  ``too_many_connections``). So a flood of half-open connections or stalled bodies costs the flooder its
   oldest ones, while ``/health`` and real callers keep getting in, and the process never runs out of file
   descriptors;
 - a deadline for the rest of a body answered early (a 413 sent before the body was read): uvicorn reads it and
@@ -32,6 +35,7 @@ import asyncio
 import http
 import logging
 import resource
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -51,17 +55,29 @@ MIN_CLIENT_CONNECTIONS = 16
 # has its deadlines pass together, and closing ten thousand connections (each a write and a close) in one pass held
 # the loop for 100-200 ms, /health included.
 CLOSE_BATCH = 128
+# A new connection that has sent nothing for this long counts as idle (a candidate to close before a body that is
+# arriving); before that, it is taken to be a caller whose request is in flight to us.
+FRESH_GRACE_S = 0.5
 
 
 class ConnectionGuard:
-    """The client connections of one server, each in one of three states: idle (waiting for a head, or kept alive
-    between requests), receiving (its head is complete, its body is not) and busy (a whole request in flight). The
-    idle and the receiving ones are kept in the order they entered that state. Every operation is O(1)."""
+    """The client connections of one server, each in one of four states: fresh (accepted, nothing received yet),
+    idle (part of a head, or kept alive between requests), receiving (its head is complete, its body is not) and
+    busy (a whole request in flight). The fresh, idle and receiving ones are kept in the order they entered that
+    state. Every operation is O(1)."""
 
-    def __init__(self, max_connections: int, header_timeout_s: float, body_timeout_s: float) -> None:
+    def __init__(
+        self,
+        max_connections: int,
+        header_timeout_s: float,
+        body_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
+        self._fresh: OrderedDict[GuardedHttpToolsProtocol, float] = OrderedDict()  # -> when it was accepted
         self._idle: OrderedDict[GuardedHttpToolsProtocol, None] = OrderedDict()
         self._receiving: OrderedDict[GuardedHttpToolsProtocol, None] = OrderedDict()
         self._busy: set[GuardedHttpToolsProtocol] = set()
@@ -71,34 +87,62 @@ class ConnectionGuard:
 
     @property
     def open(self) -> int:
-        return len(self._idle) + len(self._receiving) + len(self._busy)
+        return len(self._fresh) + len(self._idle) + len(self._receiving) + len(self._busy)
 
     def admit(self, connection: GuardedHttpToolsProtocol) -> bool:
-        """Take a new connection (idle until its head is complete). At the cap, the connection idle longest is closed
-        to make room, or when none is idle the one receiving its body longest; False if every connection is busy:
-        the caller refuses the new one."""
-        if self.open >= self.max_connections:
-            if self._idle:
-                oldest, _ = self._idle.popitem(last=False)
-                self.closed["evicted"] += 1
-                oldest.evict()
-            elif self._receiving:
-                oldest, _ = self._receiving.popitem(last=False)
-                self.closed["evicted_mid_body"] += 1
-                oldest.evict_mid_body()
-            else:
-                self.closed["refused"] += 1
-                return False
-        self._idle[connection] = None
+        """Take a new connection (fresh until its first byte). At the cap one is closed to make room: the connection
+        idle longest (a fresh one past its grace included), else the one receiving its body longest, else the oldest
+        fresh one; False if every connection is busy: the caller refuses the new one."""
+        now = self._clock()
+        if self.open >= self.max_connections and not self._make_room(now):
+            self.closed["refused"] += 1
+            return False
+        self._fresh[connection] = now
         return True
+
+    def _make_room(self, now: float) -> bool:
+        silent = next(iter(self._fresh.items()), None)  # the oldest fresh connection, and when it was accepted
+        if silent is not None and now - silent[1] >= FRESH_GRACE_S and not self._idle_longer_than(silent[1]):
+            self._evict_idle(self._fresh.popitem(last=False)[0])
+        elif self._idle:
+            self._evict_idle(self._idle.popitem(last=False)[0])
+        elif self._receiving:
+            oldest, _ = self._receiving.popitem(last=False)
+            self.closed["evicted_mid_body"] += 1
+            oldest.evict_mid_body()
+        elif self._fresh:  # only new connections and whole requests: the oldest new one goes
+            self._evict_idle(self._fresh.popitem(last=False)[0])
+        else:
+            return False
+        return True
+
+    def _idle_longer_than(self, accepted: float) -> bool:
+        """Whether the longest-idle connection has waited longer than a fresh one accepted at ``accepted``."""
+        oldest = next(iter(self._idle), None)
+        return oldest is not None and oldest.idle_since < accepted
+
+    def _evict_idle(self, connection: GuardedHttpToolsProtocol) -> None:
+        self.closed["evicted"] += 1
+        connection.evict()
+
+    def spoke(self, connection: GuardedHttpToolsProtocol) -> None:
+        """Its first bytes of a request head arrived: idle from now on (a partial head is no request yet)."""
+        if connection in self._fresh:
+            del self._fresh[connection]
+            self._enter_idle(connection)
+
+    def _enter_idle(self, connection: GuardedHttpToolsProtocol) -> None:
+        connection.idle_since = self._clock()
+        self._idle[connection] = None
 
     def is_busy(self, connection: GuardedHttpToolsProtocol) -> bool:
         return connection in self._busy or connection in self._receiving
 
     def receiving(self, connection: GuardedHttpToolsProtocol) -> None:
         """Its head is complete. Not when a pipelined request follows one in flight: that connection stays busy."""
-        if connection in self._idle:
-            del self._idle[connection]
+        if connection in self._idle or connection in self._fresh:
+            self._idle.pop(connection, None)
+            self._fresh.pop(connection, None)
             self._receiving[connection] = None
 
     def busy(self, connection: GuardedHttpToolsProtocol) -> None:
@@ -112,9 +156,10 @@ class ConnectionGuard:
         if connection in self._busy or connection in self._receiving:
             self._busy.discard(connection)
             self._receiving.pop(connection, None)
-            self._idle[connection] = None
+            self._enter_idle(connection)
 
     def forget(self, connection: GuardedHttpToolsProtocol) -> None:
+        self._fresh.pop(connection, None)
         self._idle.pop(connection, None)
         self._receiving.pop(connection, None)
         self._busy.discard(connection)
@@ -147,6 +192,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_started = False
         self._body_deadline: asyncio.TimerHandle | None = None
         self._drop_deadline: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0  # when it last entered the guard's idle state (monotonic)
 
     # ---- the connection's life -----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -189,6 +235,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # ---- request heads and bodies (httptools parser callbacks) -----------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.guard.spoke(self)
         self._head_started = True
         if self._head_deadline is None:  # a next request on a kept-alive connection: its head's deadline starts now
             self._arm_head_deadline()

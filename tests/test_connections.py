@@ -23,6 +23,8 @@ import pytest
 from conftest import Service, run_simulator
 from procs import REPO_ROOT, RunningProcess, free_port, start_process
 
+from gateway.connections import FRESH_GRACE_S
+
 HALF_OPEN = REPO_ROOT / "tests" / "halfopen.py"
 
 
@@ -224,6 +226,7 @@ def test_cap_evicts_idle_then_mid_body_connections_and_refuses_only_when_all_are
         httpx.post(f"{sim.url}/sim/faults", json={"mode": "delay", "count": -1, "delay_s": 30}).raise_for_status()
         address = ("127.0.0.1", gateway.port)
         idle = [socket.create_connection(address) for _ in range(cap)]
+        time.sleep(FRESH_GRACE_S)  # silent this long, they are idle (until then: callers whose request is on its way)
         assert max(health_latencies(gateway.url, 3)) < 0.1  # each /health evicted the longest-idle connection
         stalled = [stall_body(address) for _ in range(cap)]  # these evict the remaining idle ones
         time.sleep(0.3)
