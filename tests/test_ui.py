@@ -36,6 +36,7 @@ from procs import REPO_ROOT
 from safetensors.numpy import load
 
 from gateway.auth import UI_COOKIE, KeyRing, cookie_token
+from slime_client.sample import read_safetensors_metadata
 
 CHROMIUM_DIR = REPO_ROOT / ".chromium"
 # What headless chromium needs on these machines: no sandbox as root, no GPU, and none of the background traffic
@@ -348,13 +349,7 @@ def test_the_data_route_is_the_sample_plus_turns_and_pieces(chat_gateway: Servic
         assert arrays.keys() == expected.keys()
         for name, values in expected.items():
             np.testing.assert_array_equal(arrays[name], values)
-        from safetensors import safe_open
-
-        path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{sid}-{branch}.safetensors"
-        path.write_bytes(response.content)
-        with safe_open(str(path), "np") as f:
-            meta = f.metadata()
-        path.unlink()
+        meta = read_safetensors_metadata(response.content)
         turns = json.loads(meta["turn_log"])
         assert sum(t["num_tokens"] for t in turns) == len(arrays["tokens"]) - int(meta["prompt_length"])
         if branch is None:
