@@ -32,6 +32,20 @@ START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
 # `make redis` (scripts/redis_server.sh) unpacks a real redis-server here; one on PATH does too.
 REDIS_SERVER = REPO_ROOT / ".redis" / "bin" / "redis-server"
+# `make chromium` (scripts/chromium.sh) records Debian's chromium in .chromium/path (or says why not in install.log).
+CHROMIUM_DIR = REPO_ROOT / ".chromium"
+# What headless chromium needs on these machines: no sandbox as root, no GPU, and none of the background traffic
+# (QUIC, component updates, sync) that a closed network refuses. Playwright adds a fresh --user-data-dir per launch.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def free_port() -> int:
@@ -160,6 +174,19 @@ def redis_server_binary() -> str:
     if found is None:
         raise RuntimeError(f"no redis-server: `make redis` puts one in {REDIS_SERVER.parent} (scripts/redis_server.sh)")
     return found
+
+
+def find_chromium() -> str | None:
+    """Debian's chromium for Playwright's ``executable_path`` (the inspector's row 16 and tests/test_ui.py): the
+    ``CHROMIUM`` environment variable, the one scripts/chromium.sh recorded, or ``chromium`` / ``chromium-browser``
+    on PATH, the first that exists; None when there is none."""
+    recorded = CHROMIUM_DIR / "path"
+    candidates = [os.environ.get("CHROMIUM", ""), recorded.read_text().strip() if recorded.exists() else ""]
+    candidates += [shutil.which("chromium") or "", shutil.which("chromium-browser") or ""]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
 
 
 def start_redis(name: str) -> RedisServer:

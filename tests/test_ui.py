@@ -35,22 +35,10 @@ from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway
 from procs import REPO_ROOT
 from safetensors.numpy import load
 
+from bench.services import CHROMIUM_ARGS, CHROMIUM_DIR, find_chromium
 from gateway.auth import UI_COOKIE, KeyRing, cookie_token
 from slime_client.sample import read_safetensors_metadata
 
-CHROMIUM_DIR = REPO_ROOT / ".chromium"
-# What headless chromium needs on these machines: no sandbox as root, no GPU, and none of the background traffic
-# (QUIC, component updates, sync) that a closed network refuses. Playwright adds a fresh --user-data-dir per launch.
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 VIEWPORT = {"width": 1400, "height": 1000}
 DOCS_SCREENSHOT = REPO_ROOT / "docs" / "inspector.png"
 READY = "body[data-ready='1']"
@@ -111,12 +99,9 @@ def agent_session(gateway: Service, sim: Service) -> str:
 # ---- helpers: the browser -----------------------------------------------------------------------------------------
 def chromium_executable() -> str:
     """Debian's chromium, as scripts/chromium.sh found or installed it; a skip naming why when there is none."""
-    recorded = CHROMIUM_DIR / "path"
-    candidates = [os.environ.get("CHROMIUM", ""), recorded.read_text().strip() if recorded.exists() else ""]
-    candidates += [shutil.which("chromium") or "", shutil.which("chromium-browser") or ""]
-    for candidate in candidates:
-        if candidate and Path(candidate).exists():
-            return candidate
+    found = find_chromium()
+    if found is not None:
+        return found
     log = CHROMIUM_DIR / "install.log"
     why = log.read_text().strip()[-500:] if log.exists() else "run `make chromium` (scripts/chromium.sh)"
     pytest.skip(f"no chromium: {why}")

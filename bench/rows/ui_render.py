@@ -11,32 +11,20 @@ the scroll bar is moved ``scroll_steps`` times, one step per animation frame: th
 
 from __future__ import annotations
 
-import shutil
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench.core import Check, Context, RowResult, log, percentile
+from bench.services import CHROMIUM_ARGS, find_chromium
 from bench.workload import TOP_P_FLAG, prompt_ids
 
 NAME = "inspector render, 32k tokens"
 GOAL_RENDER_MS = 2000.0
 GOAL_FRAME_MS = 1000.0 / 60
 HTTP_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +48,8 @@ SHAPES = {
 
 
 def chromium() -> str:
-    recorded = REPO_ROOT / ".chromium" / "path"
-    found = recorded.read_text().strip() if recorded.exists() else shutil.which("chromium")
-    if not found or not Path(found).exists():
+    found = find_chromium()
+    if found is None:
         raise RuntimeError("row 16 needs Debian's chromium: `make chromium` (scripts/chromium.sh)")
     return found
 
