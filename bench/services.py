@@ -189,13 +189,14 @@ def find_chromium() -> str | None:
     return None
 
 
-def start_redis(name: str) -> RedisServer:
-    """Start a redis-server on a free loopback port, without persistence, and wait until it answers ``PING``."""
+def start_redis(name: str, extra_args: Sequence[str] = ()) -> RedisServer:
+    """Start a redis-server on a free loopback port, without persistence, and wait until it answers ``PING``.
+    ``extra_args``: more of its flags (a Redis Cluster node's ``--cluster-enabled yes``, its own ``--dir``)."""
     from redis.exceptions import RedisError
 
     port = free_port()
     output = tempfile.TemporaryFile()  # noqa: SIM115 (owned by the RedisServer, closed in stop())
-    args = ["--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]
+    args = ["--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1", *extra_args]
     proc = subprocess.Popen(  # the wrapper of scripts/redis_server.sh execs the server: the same pid
         [redis_server_binary(), *args], cwd=REPO_ROOT, stdout=output, stderr=subprocess.STDOUT
     )

@@ -187,6 +187,21 @@ class ReplicaShape:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterShape:
+    """Row 17: ``agents`` concurrent agent loops, each running ``sessions`` short sessions one after another (a
+    ``prompt_tokens`` prompt, ``turns`` model turns of ``turn_tokens`` with ``tool_tokens`` appended between them),
+    against 1 gateway on one Redis and 1, 2 and 4 on a Redis Cluster."""
+
+    agents: int = 16
+    sessions: int = 12  # per agent and measurement, one after another
+    turns: int = 3
+    prompt_tokens: int = 256
+    turn_tokens: int = 32
+    tool_tokens: int = 16
+    rounds: int = 5
+
+
+@dataclass(frozen=True, slots=True)
 class Suite:
     """Every size the rows use. ``FULL`` is the realistic shape; ``QUICK`` keeps the smoke test fast."""
 
@@ -207,6 +222,7 @@ class Suite:
     redis_turn: RedisTurnShape
     replicas: ReplicaShape
     agent_loop: AgentLoopShape = AgentLoopShape()
+    cluster: ClusterShape = ClusterShape()
 
     @property
     def moe(self) -> MoE:
@@ -252,6 +268,7 @@ QUICK = Suite(
     ),
     replicas=ReplicaShape(sessions=4, loops=1, prompt_tokens=128, turn_tokens=128, tool_tokens=16, rounds=1),
     agent_loop=AgentLoopShape(turns=24, tool_result_bytes=512, window=4),
+    cluster=ClusterShape(agents=4, sessions=1, turns=2, rounds=1),
 )
 
 

@@ -27,7 +27,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +38,14 @@ from bench.rows.redis_turn import sample_tokens
 from bench.services import (
     REDIS_SERVER,
     START_TIMEOUT_S,
+    RedisServer,
     ServerProcess,
     free_port,
     read_body,
-    redis_server_binary,
+    start_redis,
     start_server,
 )
-from bench.workload import prompt_ids
+from bench.workload import ClusterShape, prompt_ids
 from slime_wire.http1 import ConnectionPool
 
 NAME = "replicas on a Redis Cluster"
@@ -62,72 +62,41 @@ def cluster_mode(replicas: int) -> str:
 MODES = (ONE, *(cluster_mode(n) for n in CLUSTER_REPLICAS))
 
 
-@dataclass(frozen=True, slots=True)
-class ClusterShape:
-    agents: int = 16
-    sessions: int = 12  # per agent and measurement, one after another
-    turns: int = 3
-    prompt_tokens: int = 256
-    turn_tokens: int = 32
-    tool_tokens: int = 16
-    rounds: int = 5
-
-
-FULL_SHAPE = ClusterShape()
-QUICK_SHAPE = ClusterShape(agents=4, sessions=1, turns=2, rounds=1)
-
-
 @contextlib.contextmanager
-def redis_cluster(masters: int = MASTERS) -> Iterator[tuple[str, list[ServerProcess]]]:
+def redis_cluster(masters: int = MASTERS) -> Iterator[tuple[str, list[RedisServer]]]:
     """A Redis Cluster of ``masters`` masters on loopback (its URL, its nodes), in memory only."""
-    import redis  # the gateway's redis extra: only the Redis rows need it
-
     if not REDIS_CLI.exists():
         raise RuntimeError(f"no redis-cli: `make redis` puts one in {REDIS_CLI.parent} (scripts/redis_server.sh)")
-    nodes: list[ServerProcess] = []
+    nodes: list[RedisServer] = []
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as directory:
         try:
             for number in range(masters):
-                port, bus = free_port(), free_port()
-                node_dir = Path(directory) / str(port)
+                node_dir = Path(directory) / str(number + 1)  # each node's nodes.conf
                 node_dir.mkdir()
-                args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-                args += ["--cluster-enabled", "yes", "--cluster-port", str(bus), "--dir", str(node_dir)]
-                output = tempfile.TemporaryFile()  # noqa: SIM115 (owned by the ServerProcess, closed in stop())
-                proc = subprocess.Popen([redis_server_binary(), *args], stdout=output, stderr=subprocess.STDOUT)
-                nodes.append(ServerProcess(f"redis cluster node {number + 1}", proc, port, output))
-            for node in nodes:
-                _wait(lambda port=node.port: _ask(redis, port, "PING"), f"{node.name} did not start")
+                args = ["--cluster-enabled", "yes", "--cluster-port", str(free_port()), "--dir", str(node_dir)]
+                nodes.append(start_redis(f"redis cluster node {number + 1}", args))
             addresses = [f"127.0.0.1:{node.port}" for node in nodes]
             create = [str(REDIS_CLI), "--cluster", "create", *addresses, "--cluster-yes"]
             done = subprocess.run(create, capture_output=True, timeout=60, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-2000:]!r}")
             for node in nodes:
-                _wait(lambda port=node.port: _cluster_ok(redis, port), "the Redis Cluster did not come up")
+                _wait_cluster_ok(node)
             yield f"redis+cluster://127.0.0.1:{nodes[0].port}", nodes
         finally:
             for node in nodes:
                 node.stop()
 
 
-def _ask(redis: Any, port: int, command: str) -> Any:
-    with redis.Redis(port=port, socket_timeout=5) as client:
-        return client.execute_command(command)
-
-
-def _cluster_ok(redis: Any, port: int) -> bool:
-    return bool(_ask(redis, port, "CLUSTER INFO")["cluster_state"] == "ok")
-
-
-def _wait(ready: Any, failure: str) -> None:
+def _wait_cluster_ok(node: RedisServer) -> None:
+    """Until the node says ``cluster_state:ok`` (every slot served, the nodes agreeing)."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):  # refused until it listens
-            if ready():
+        with contextlib.suppress(Exception):  # a node may refuse or say "fail" while the cluster forms
+            if node.client.execute_command("CLUSTER INFO")["cluster_state"] == "ok":
                 return
         time.sleep(0.05)
-    raise RuntimeError(failure)
+    raise RuntimeError("the Redis Cluster did not come up")
 
 
 class Load:
@@ -185,7 +154,7 @@ class Load:
 
 
 async def measure(
-    ctx: Context, shape: ClusterShape, gateways: dict[str, list[ServerProcess]], nodes: list[ServerProcess]
+    ctx: Context, shape: ClusterShape, gateways: dict[str, list[ServerProcess]], nodes: list[RedisServer]
 ) -> dict[str, list[dict[str, Any]]]:
     load = Load(ctx, shape, gateways)
     every = {gw.name: gw for replicas in gateways.values() for gw in replicas}
@@ -212,7 +181,7 @@ async def measure(
 
 
 def run(ctx: Context) -> RowResult:
-    shape = QUICK_SHAPE if ctx.suite.name == "quick" else FULL_SHAPE
+    shape = ctx.suite.cluster
     services = ctx.services
     started: list[ServerProcess] = []
     load_before = os.getloadavg()[0]
