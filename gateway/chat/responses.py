@@ -90,7 +90,6 @@ class InputAudio(Part, tag="input_audio", kw_only=True):
     pass
 
 
-TextParts = InputText | OutputText | PlainText
 MediaParts = InputImage | InputFile | InputAudio
 Content = str | Annotated[list[InputText | OutputText | PlainText | Refusal | MediaParts], Meta(max_length=MAX_PARTS)]
 
@@ -376,7 +375,6 @@ class _Answer:
 
     def __init__(self) -> None:
         self.reasoning: str | None = None
-        self.has_reasoning = False
         self.content: str | None = None
         self.calls: list[ToolCall] = []
 
@@ -402,7 +400,7 @@ def _input_messages(value: str | list[AnyItem]) -> list[ChatMessage]:
             if answer is not None:
                 flush()
             answer = _Answer()
-            answer.has_reasoning, answer.reasoning = True, _reasoning_text(item)
+            answer.reasoning = _reasoning_text(item)
         elif isinstance(item, MessageItem) and item.role == "assistant":
             if answer is not None and (answer.content is not None or answer.calls):
                 flush()

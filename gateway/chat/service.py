@@ -421,7 +421,6 @@ class StreamEvent:
     end: bool = False
     reply: AssistantReply | None = None  # the end of a turn that was folded (whole, or partial)
     error: dict[str, Any] | None = None  # the end of a failed turn: the gateway's error body
-    branch: int = 0
     result: ChatResult | None = None
 
 
@@ -483,6 +482,5 @@ class ChatStream:
             end=True,
             reply=result.reply,
             error=error,
-            branch=result.branch,
             result=result,
         )

@@ -42,11 +42,6 @@ class Continuation:
 
     rendered: Rendered | None  # None: the template's rendering cannot be split after the history
     rewrote: bool  # the template renders the history differently once the new messages follow it
-    render_s: float = 0.0
-
-    @property
-    def seconds(self) -> float:
-        return self.rendered.render_s if self.rendered is not None else self.render_s
 
 
 class ChatTemplate:
@@ -164,7 +159,7 @@ class ChatTemplate:
         after = full[at_full + len(self._probe) :]
         rewrote = full[:at_full] != alone[:at_alone]
         if not after.startswith(rest):
-            return Continuation(None, rewrote=True, render_s=time.perf_counter() - started)
+            return Continuation(None, rewrote=True)
         text = self.unwritten_close(last_token) + after[len(rest) :]
         return Continuation(Rendered(self.encode(text), text, time.perf_counter() - started), rewrote=rewrote)
 
@@ -186,10 +181,6 @@ class ChatTemplate:
         except ChatTemplateError:
             return False
         return True
-
-    def count(self, messages: Sequence[ChatMessage], tools: Sequence[Tool]) -> int:
-        """Tokens of the whole conversation as the template renders it for the model's answer."""
-        return len(self.encode(self.render_text(messages, tools, generation_prompt=True)))
 
     def unwritten_close(self, last_token: int) -> str:
         """What the template puts after an assistant message that the model did not generate: all of it, unless the
