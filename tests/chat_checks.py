@@ -25,6 +25,18 @@ from conftest import SIM_LAYERS, SIM_TOPK, Service
 from safetensors.numpy import load
 
 TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
+# The agent tests' tool (Chat Completions form) and what the scripted model writes with it: a call, exactly as the
+# template renders an assistant message with that content and call, then the answer once the tool has spoken.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL_TEXT = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+FINAL_TEXT = "It is sunny in Paris, 21 degrees."
 
 
 # ---- sessions, scripts, clients ----------------------------------------------------------------------------------

@@ -25,7 +25,10 @@ import numpy as np
 import openai
 import pytest
 from chat_checks import (
+    CALL_TEXT,
+    FINAL_TEXT,
     TOP_P,
+    WEATHER_TOOL,
     anthropic_client,
     metric,
     new_session,
@@ -38,19 +41,8 @@ from chat_checks import anthropic_turn as kit_anthropic_turn
 from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway
 from safetensors.numpy import load
 
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 TOOLS = [WEATHER_TOOL]
 SYSTEM = "You are a helpful assistant."
-# What the model writes, exactly as the template renders an assistant message with that content and call.
-CALL_TEXT = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-FINAL_TEXT = "It is sunny in Paris, 21 degrees."
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------

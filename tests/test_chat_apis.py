@@ -19,6 +19,9 @@ import httpx
 import openai
 import pytest
 from chat_checks import (
+    CALL_TEXT,
+    FINAL_TEXT,
+    WEATHER_TOOL,
     anthropic_client,
     check_trajectory,
     full_view,
@@ -30,14 +33,7 @@ from chat_checks import (
 )
 from conftest import Service, run_gateway
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
-CALL_TEXT = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-FINAL_TEXT = "It is sunny in Paris, 21 degrees."
+WEATHER = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's form: the function's fields flat
 
 
 def stable_view(gateway: Service, sid: str) -> dict[str, Any]:

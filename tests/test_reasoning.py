@@ -23,17 +23,18 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from chat_checks import check_trajectory, full_view, metric, new_session, openai_client, script, session_sample
+from chat_checks import (
+    WEATHER_TOOL,
+    check_trajectory,
+    full_view,
+    metric,
+    new_session,
+    openai_client,
+    script,
+    session_sample,
+)
 from conftest import Service, run_gateway
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 THINK_CALL = f"<think>\nI should look the weather up.\n</think>\n\n{CALL}"
 THINK_FINAL = "<think>\nThe tool says sunny.\n</think>\n\nIt is sunny in Paris."
@@ -127,10 +128,12 @@ def reasoning_gateway(chat_sim: Service, qwen3_dir: Path) -> Iterator[Service]:
 def chat(client: openai.OpenAI, messages: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
     """One completion as a message dict, reasoning included, streamed or not."""
     if not stream:
-        message = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER]).choices[0].message
+        message = (
+            client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL]).choices[0].message
+        )
         return message.model_dump(exclude_none=True)
     content, reasoning, calls = [], [], []
-    for chunk in client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], stream=True):
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], stream=True):
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
@@ -231,7 +234,7 @@ def test_responses_reasoning_items_round_trip(
     sid = new_session(reasoning_gateway)
     script(chat_sim, sid, THINK_CALL, THINK_FINAL)
     client = openai_client(reasoning_gateway, sid)
-    tool = {"type": "function", **WEATHER["function"]}
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
     kwargs: dict[str, Any] = {
         "model": "tiny",
         "tools": [tool],
@@ -299,7 +302,7 @@ def test_append_policy_keeps_one_trajectory_when_the_template_drops_earlier_reas
     assert tokens[view["prompt_length"] : first_end] == first_answer  # the reasoning as the model wrote it
     # What the template renders after the first answer once the new turn follows (there, without its reasoning).
     full = qwen3_tokenizer.apply_chat_template(
-        messages[:3], tools=[WEATHER], add_generation_prompt=True, tokenize=False
+        messages[:3], tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False
     )
     after = full[full.index("It is sunny in Paris.<|im_end|>") + len("It is sunny in Paris.<|im_end|>") :]
     added = qwen3_tokenizer.encode(after, add_special_tokens=False)
@@ -332,7 +335,7 @@ def test_fork_policy_rerenders_the_conversation_on_a_new_branch(
             *messages[:3],
             {"role": "assistant", "content": "Rain tomorrow.", "reasoning_content": "Tomorrow: rain."},
         ]
-        text = qwen3_tokenizer.apply_chat_template(conversation, tools=[WEATHER], tokenize=False)
+        text = qwen3_tokenizer.apply_chat_template(conversation, tools=[WEATHER_TOOL], tokenize=False)
         expected = qwen3_tokenizer.encode(text, add_special_tokens=False)
         assert arrays["tokens"].tolist() == expected[:-1]  # the model stopped at <|im_end|>
         assert branch["prompt_length"] == len(expected) - 1 - int(arrays["loss_mask"].sum())
@@ -407,7 +410,7 @@ def test_an_agent_conversation_then_a_new_user_turn_under_each_policy(
         for message in conversation:  # arguments as objects, as templates take them (and the gateway gives them)
             for call in message.get("tool_calls", ()):
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-        full = qwen3_tokenizer.apply_chat_template(conversation, tools=[WEATHER], tokenize=False)
+        full = qwen3_tokenizer.apply_chat_template(conversation, tools=[WEATHER_TOOL], tokenize=False)
         expected = qwen3_tokenizer.encode(full, add_special_tokens=False)
         fork_tokens = session_sample(gateway.url, sid, branch=1)["tokens"].tolist()
         assert fork_tokens == expected[:-1]  # the deployed model's view: earlier reasoning gone, as now rendered

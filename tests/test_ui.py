@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from chat_checks import sample, script, view
+from chat_checks import CALL_TEXT, FINAL_TEXT, WEATHER_TOOL, sample, script, view
 from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway
 from procs import REPO_ROOT
 from safetensors.numpy import load
@@ -43,18 +43,7 @@ VIEWPORT = {"width": 1400, "height": 1000}
 DOCS_SCREENSHOT = REPO_ROOT / "docs" / "inspector.png"
 READY = "body[data-ready='1']"
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-        },
-    }
-]
-CALL_TEXT = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-FINAL_TEXT = "It is sunny in Paris, 21 degrees."
+TOOLS = [WEATHER_TOOL]
 SCRIPT_TAG = "<script>window.__xss = 1</script>"
 IMG_TAG = '"><img src=x onerror="window.__xss = 2">'
 
