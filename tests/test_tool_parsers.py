@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gateway.chat.messages import Tool
+from gateway.chat.messages import ChatMessage, Tool
+from gateway.chat.service import ReplySplitter
 from gateway.chat.tool_parsers import (
     FORMATS,
     PARSERS,
@@ -482,12 +483,19 @@ def test_random_text_never_breaks_a_parser(fmt: str, text: str) -> None:
 
 # ---- streaming: the content sent as it arrives equals the unary content ------------------------------------------
 def stream(fmt: str, text: str, cuts: list[int]) -> tuple[list[str], str, ParsedCompletion]:
-    """Feed ``text`` cut at ``cuts``; the pieces sent while it arrives, what ``finish`` sends, the unary parse."""
-    splitter = STREAM_SPLITTERS[fmt]()
+    """Feed ``text`` cut at ``cuts`` through the service's splitter (no reasoning parser); the content pieces sent
+    while it arrives, what ``finish`` sends, the unary parse."""
+    splitter = ReplySplitter(None, STREAM_SPLITTERS[fmt]())
     bounds = [0, *sorted(set(cuts)), len(text)]
-    sent = [splitter.feed(text[a:b]) for a, b in itertools.pairwise(bounds)]
+    sent = []
+    for a, b in itertools.pairwise(bounds):
+        reasoning, content = splitter.feed(text[a:b])
+        assert reasoning == ""
+        sent.append(content)
     parsed = parse(fmt, text)
-    return sent, splitter.finish(parsed), parsed
+    reasoning, rest = splitter.finish(ChatMessage("assistant", parsed.content, parsed.tool_calls))
+    assert reasoning == ""
+    return sent, rest, parsed
 
 
 def _check_stream(fmt: str, text: str, cuts: list[int]) -> None:

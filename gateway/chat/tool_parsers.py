@@ -416,13 +416,13 @@ class ToolCallFormat:
 class ToolCallStreamSplitter:
     """Streams a completion's content while it arrives, holding back what may belong to tool calls: text from the
     format's first marker on, a tail that could be the start of that marker, and trailing whitespace (dropped when
-    calls follow). What it sends is always a prefix of the parsed content; ``finish`` says what remains, so the
-    streamed content equals the unary answer's."""
+    calls follow). What it sends is always a prefix of the parsed content; the rest is sent once the completion is
+    whole and parsed (``gateway.chat.service.ReplySplitter.finish``), so the streamed content equals the unary
+    answer's."""
 
     def __init__(self, start: str) -> None:
         self._start = start
         self._pending = ""  # received, not sent: trailing whitespace and a partial marker
-        self._sent = 0  # characters of the completion sent as content
         self._in_calls = False
 
     def feed(self, piece: str) -> str:
@@ -438,13 +438,7 @@ class ToolCallStreamSplitter:
         else:
             end = len(text[: len(text) - _partial_marker_length(text, self._start)].rstrip())
             out, self._pending = text[:end], text[end:]
-        self._sent += len(out)
         return out
-
-    def finish(self, parsed: ParsedCompletion) -> str:
-        """The content still to send once the completion is whole and ``parsed``."""
-        content = parsed.content
-        return content[self._sent :] if len(content) > self._sent else ""
 
 
 def _partial_marker_length(text: str, marker: str) -> int:
