@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.chat.tool_parsers import partial_marker_length
+
 ReasoningParserName = Literal["none", "qwen3", "deepseek_r1"]
 Channel = Literal["reasoning", "content"]
 
@@ -91,7 +93,7 @@ class ReasoningStream:
             out = self._send_reasoning(buffer[:end].strip())
             self._mode, self._buffer = "content", ""
             return out + self._content(buffer[end + len(self.fmt.end) :])
-        safe = buffer[: len(buffer) - _partial_length(buffer, self.fmt.end)]
+        safe = buffer[: len(buffer) - partial_marker_length(buffer, self.fmt.end)]
         return self._send_reasoning(safe.strip())
 
     def _send_reasoning(self, reasoning: str) -> list[tuple[Channel, str]]:
@@ -110,11 +112,3 @@ class ReasoningStream:
         if reasoning is None or len(reasoning) <= self._reasoning_sent:
             return ""
         return reasoning[self._reasoning_sent :]
-
-
-def _partial_length(text: str, tag: str) -> int:
-    """How many trailing characters of ``text`` could begin ``tag``."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0

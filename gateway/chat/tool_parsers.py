@@ -436,12 +436,12 @@ class ToolCallStreamSplitter:
             out = text[:marker].rstrip()
             self._pending = ""
         else:
-            end = len(text[: len(text) - _partial_marker_length(text, self._start)].rstrip())
+            end = len(text[: len(text) - partial_marker_length(text, self._start)].rstrip())
             out, self._pending = text[:end], text[end:]
         return out
 
 
-def _partial_marker_length(text: str, marker: str) -> int:
+def partial_marker_length(text: str, marker: str) -> int:
     """How many trailing characters of ``text`` could begin ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
