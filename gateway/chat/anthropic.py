@@ -218,7 +218,7 @@ def _messages(message: MessageIn, i: int) -> list[ChatMessage]:
     if isinstance(message.content, str):
         return [ChatMessage(message.role, message.content)]
     for j, block in enumerate(message.content):
-        if isinstance(block, ImageBlock | DocumentBlock | SearchResultBlock):
+        if isinstance(block, MediaBlock):
             kind = type(block).__struct_config__.tag
             raise ChatRequestError(
                 f"messages.{i}.content.{j}: {kind} blocks are not supported: the served model reads text",
@@ -252,7 +252,7 @@ def _result_text(block: ToolResultBlock, i: int) -> str:
         return block.content
     parts = []
     for part in block.content:
-        if isinstance(part, ImageBlock | DocumentBlock | SearchResultBlock):
+        if isinstance(part, MediaBlock):
             kind = type(part).__struct_config__.tag
             raise ChatRequestError(
                 f"messages.{i}: a tool_result with {kind} content is not supported: the served model reads text",
