@@ -170,8 +170,8 @@ class ChatRequest:
 
     def with_history(self, history: tuple[ChatMessage, ...]) -> ChatRequest:
         """The request with ``history`` before its own messages (a Responses API request that continues a stored
-        response)."""
-        return replace(self, messages=order_tool_results((*history, *self.messages)))
+        response); ``ChatService.resolve`` orders the tool results afterwards, as for every request."""
+        return replace(self, messages=(*history, *self.messages))
 
 
 @dataclass(frozen=True, slots=True)
