@@ -431,17 +431,14 @@ class EventWriter:
             )
             self._open = "text"  # any kind but thinking: closing it is a plain stop
             out.append(self._close())
-        reason = _stream_stop_reason(event.reply)
-        delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None}}
+        assert event.result is not None  # a folded turn's end carries its result
+        reason, sequence = stop_reason(event.result)
+        delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}}
         out.append(_event("message_delta", delta | {"usage": {"output_tokens": event.reply.completion_tokens}}))
         if event.error is not None:
             out.append(_event("error", error_json(event.error)))
         out.append(_event("message_stop", {"type": "message_stop"}))
         return b"".join(out)
-
-
-def _stream_stop_reason(reply: AssistantReply) -> str:
-    return {"tool_calls": "tool_use", "length": "max_tokens"}.get(reply.finish, "end_turn")
 
 
 # ---- errors --------------------------------------------------------------------------------------------------
