@@ -394,24 +394,30 @@ class EventWriter:
                 block["text"] = ""
             out.append(self._block_start(block))
             self._open = kind
-        data = {"type": "content_block_delta", "index": self._blocks, "delta": delta}
-        out.append(_event("content_block_delta", data))
+        out.append(self._block_delta(delta))
         return b"".join(out)
 
     def _block_start(self, block: dict[str, Any]) -> bytes:
         data = {"type": "content_block_start", "index": self._blocks, "content_block": block}
         return _event("content_block_start", data)
 
+    def _block_delta(self, delta: dict[str, Any]) -> bytes:
+        data = {"type": "content_block_delta", "index": self._blocks, "delta": delta}
+        return _event("content_block_delta", data)
+
+    def _block_stop(self) -> bytes:
+        """The current block's end; the next block takes the next index."""
+        data = {"type": "content_block_stop", "index": self._blocks}
+        self._blocks += 1
+        return _event("content_block_stop", data)
+
     def _close(self) -> bytes:
+        """The end of the open thinking or text block (a thinking block's signature first)."""
         out = []
         if self._open == "thinking":
             signature = thinking_signature("".join(self._reasoning))
-            delta = {"type": "signature_delta", "signature": signature}
-            out.append(
-                _event("content_block_delta", {"type": "content_block_delta", "index": self._blocks, "delta": delta})
-            )
-        out.append(_event("content_block_stop", {"type": "content_block_stop", "index": self._blocks}))
-        self._blocks += 1
+            out.append(self._block_delta({"type": "signature_delta", "signature": signature}))
+        out.append(self._block_stop())
         self._open = None
         return b"".join(out)
 
@@ -425,12 +431,9 @@ class EventWriter:
         for call in event.reply.message.tool_calls:
             block = _tool_use(call)
             out.append(self._block_start(block | {"input": {}}))
-            delta = {"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()}
-            out.append(
-                _event("content_block_delta", {"type": "content_block_delta", "index": self._blocks, "delta": delta})
-            )
-            self._open = "text"  # any kind but thinking: closing it is a plain stop
-            out.append(self._close())
+            partial = orjson.dumps(block["input"]).decode()
+            out.append(self._block_delta({"type": "input_json_delta", "partial_json": partial}))
+            out.append(self._block_stop())
         assert event.result is not None  # a folded turn's end carries its result
         reason, sequence = stop_reason(event.result)
         delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}}
