@@ -697,17 +697,14 @@ class EventWriter:
         if self._open is not None:
             out.append(self._close())
         if reply is None:
-            error = openai_error_json(event.error or {})
-            failure = {"code": error.get("code") or error["type"], "message": error["message"]}
+            failure = _failure(event.error or {})
             out.append(self._event("response.failed", {"response": self._response("failed", error=failure)}))
             return b"".join(out)
         for call in reply.message.tool_calls:
             out.append(self._call(call))
         status, incomplete = _status(reply)
         if event.error is not None:  # a turn cut by an error after some tokens: folded, and reported
-            error = openai_error_json(event.error)
-            failure = {"code": error.get("code") or error["type"], "message": error["message"]}
-            response = self._response("failed", usage=usage_json(reply), error=failure)
+            response = self._response("failed", usage=usage_json(reply), error=_failure(event.error))
             out.append(self._event("response.failed", {"response": response}))
             return b"".join(out)
         response = self._response(status, usage=usage_json(reply), incomplete=incomplete)
@@ -738,3 +735,9 @@ class EventWriter:
 
 # ---- errors: OpenAI's shape, as on the chat completions route ------------------------------------------------
 error_body = openai_error_body
+
+
+def _failure(error: dict[str, Any]) -> dict[str, Any]:
+    """A failed response's ``error``: the gateway's error body as its ``code`` and ``message``."""
+    body = openai_error_json(error)
+    return {"code": body.get("code") or body["type"], "message": body["message"]}
