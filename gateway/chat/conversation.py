@@ -245,10 +245,16 @@ def plan_match(template: ChatTemplate, match: Match, request: ChatRequest, rewri
 def render_size(template: ChatTemplate, match: Match, request: ChatRequest, rewrite: RewritePolicy) -> int:
     """Characters the template will render for this request (what decides whether it is done off the event loop):
     only the new messages when the history's local context is enough."""
-    local = rewrite == "append" and template.renders_locally
-    messages = request.messages[match.history :] if local and match.history else request.messages
+    messages = request.messages[match.history :] if match.history and _local(template, rewrite) else request.messages
     size = sum(m.text_size for m in messages)
     return size + len(request.tools_key) if match.renders_all else size  # the tools are in a whole prompt
+
+
+def _local(template: ChatTemplate, rewrite: RewritePolicy) -> bool:
+    """Whether a continued conversation renders only its history's local context (O(new messages) per turn): under
+    ``append``, with a template that passes ``renders_locally``; ``fork`` must see a rewrite anywhere in the history,
+    so it renders all of it."""
+    return rewrite == "append" and template.renders_locally
 
 
 def _continue(
@@ -263,9 +269,7 @@ def _continue(
     # The recorded messages, not the request's: the same messages (``same_message``), but as the model wrote them
     # (a client may have dropped their reasoning).
     done, new = record.messages[:history], request.messages[history:]
-    # Under ``append`` only the history's local context is rendered (O(new messages) per turn); ``fork`` must see
-    # a rewrite anywhere in the history, so it renders all of it.
-    local = rewrite == "append" and template.renders_locally
+    local = _local(template, rewrite)
     continuation = template.continuation(done, new, request.tools, last_token=int(tokens[end - 1]), local=local)
     if continuation.rendered is None or (continuation.rewrote and rewrite == "fork"):
         return _rerendered(template, branch, tokens, replace(request, messages=(*done, *new)))
