@@ -321,14 +321,14 @@ def usage_json(reply: AssistantReply) -> dict[str, Any]:
     }
 
 
-def answer_json(result: ChatResult, request: ChatRequest, model: str) -> dict[str, Any]:
+def answer_json(result: ChatResult, model: str) -> dict[str, Any]:
     reason, sequence = stop_reason(result)
     return {
         "id": f"msg_{result.reply.rid}",
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": content_blocks(result.reply.message, thinking=bool(request.options.get("thinking"))),
+        "content": content_blocks(result.reply.message, thinking=bool(result.request.options.get("thinking"))),
         "stop_reason": reason,
         "stop_sequence": sequence,
         "usage": usage_json(result.reply),

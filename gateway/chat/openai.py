@@ -228,7 +228,7 @@ def usage_json(reply: AssistantReply) -> dict[str, Any]:
     }
 
 
-def answer_json(result: ChatResult, request: ChatRequest, model: str) -> dict[str, Any]:
+def answer_json(result: ChatResult, model: str) -> dict[str, Any]:
     reply = result.reply
     return {
         "id": completion_id(reply),

@@ -565,7 +565,8 @@ def _status(reply: AssistantReply) -> tuple[str, str | None]:
     return "completed", None
 
 
-def answer_json(result: ChatResult, request: ChatRequest, model: str) -> dict[str, Any]:
+def answer_json(result: ChatResult, model: str) -> dict[str, Any]:
+    request = result.request
     reply = result.reply
     status, incomplete = _status(reply)
     body = response_json(

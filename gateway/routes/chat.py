@@ -137,7 +137,7 @@ async def _chat(session_id: str, request: Request, state: GatewayState, api: Mod
         model = chat.model or Path(service.template.name).name
         if not chat.stream:
             result = await service.run(state, session_id, chat)
-            return json_response(api.answer_json(result, result.request, model))
+            return json_response(api.answer_json(result, model))
         stream = await service.open_stream(state, session_id, chat)
     except GatewayError as exc:
         return _error(state, api, exc)
