@@ -47,12 +47,15 @@ def new_session(
     top_p: bool = True,
     headers: dict[str, str] | None = None,
     prefix: str = "chat",
+    **extra: Any,
 ) -> str:
-    """A chat session (no prompt_ids): the simulator's MoE shape for routing replay, top-p replay by default."""
+    """A chat session (no prompt_ids): the simulator's MoE shape for routing replay, top-p replay by default;
+    ``extra``: more of the create body's fields (``metadata``)."""
     sid = f"{prefix}-{uuid.uuid4().hex[:10]}"
     body: dict[str, Any] = {"session_id": sid, "sampling_defaults": TOP_P if top_p else {}}
     if moe:
         body |= {"num_layers": SIM_LAYERS, "moe_router_topk": SIM_TOPK}
+    body |= extra
     response = httpx.post(f"{gateway.url}/v1/sessions", json=body, headers=headers)
     assert response.status_code == 201, response.text
     return sid

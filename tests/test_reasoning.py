@@ -18,13 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import httpx
 import numpy as np
 import openai
 import pytest
 from chat_checks import (
     WEATHER_TOOL,
+    anthropic_client,
     check_trajectory,
     full_view,
     metric,
@@ -197,7 +197,7 @@ def test_reasoning_left_inside_the_content_is_the_same_message(
 def test_anthropic_thinking_blocks(reasoning_gateway: Service, chat_sim: Service, stream: bool) -> None:
     sid = new_session(reasoning_gateway)
     script(chat_sim, sid, THINK_FINAL, THINK_NEXT)
-    client = anthropic.Anthropic(base_url=f"{reasoning_gateway.url}/v1/sessions/{sid}", api_key="x", max_retries=0)
+    client = anthropic_client(reasoning_gateway, sid)
     kwargs: dict[str, Any] = {"model": "tiny", "max_tokens": 256, "thinking": {"type": "enabled", "budget_tokens": 64}}
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather?"}]
     if stream:

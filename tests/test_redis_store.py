@@ -25,9 +25,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-import openai
 import pytest
 import redis
+from chat_checks import TOP_P, openai_client, view
 from conftest import (
     SIM_LAYERS,
     SIM_TOPK,
@@ -44,7 +44,6 @@ from safetensors.numpy import load
 
 from gateway.redis_store import Keys, _raw
 
-TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
 PROMPT = list(range(10, 40))
 LEASE_S = 1.5
 STORES = ["redis", "cluster"]
@@ -99,12 +98,6 @@ def tokens(count: int) -> dict[str, Any]:
 def post(gateway: Service, path: str, body: dict[str, Any] | None = None, status: int = 200) -> dict[str, Any]:
     response = httpx.post(f"{gateway.url}{path}", json=body or {}, timeout=30)
     assert response.status_code == status, response.text
-    return response.json()
-
-
-def view(gateway: Service, sid: str) -> dict[str, Any]:
-    response = httpx.get(f"{gateway.url}/v1/sessions/{sid}")
-    assert response.status_code == 200, response.text
     return response.json()
 
 
@@ -260,10 +253,10 @@ def test_a_chat_session_moves_between_replicas(
         answers = [{"text": "Hello."}, {"text": "Fine."}]
         httpx.post(f"{chat_sim.url}/sim/script", json={"rid_prefix": f"{sid}-", "answers": answers}).raise_for_status()
         messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-        first = openai.OpenAI(base_url=f"{a.url}/v1/sessions/{sid}", api_key="-", max_retries=0)
+        first = openai_client(a, sid)
         reply = first.chat.completions.create(model="tiny", messages=messages, max_tokens=16)
         messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "ok?"}]
-        second = openai.OpenAI(base_url=f"{b.url}/v1/sessions/{sid}", api_key="-", max_retries=0)
+        second = openai_client(b, sid)
         reply = second.chat.completions.create(model="tiny", messages=messages, max_tokens=16)
         assert reply.choices[0].message.content == "Fine."
         got = view(b, sid)

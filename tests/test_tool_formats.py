@@ -15,24 +15,20 @@ The parsers on their own (adversarial text, random splits of streams) are in ``t
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
+from chat_checks import anthropic_client, check_trajectory, metric, new_session, openai_client, script
 from chat_checks import anthropic_turn as kit_anthropic_turn
-from chat_checks import check_trajectory
-from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway, run_simulator
+from conftest import Service, run_gateway, run_simulator
 
 from gateway.simulator.tiny_tokenizer import TOOL_FORMATS, build_tiny_chat_tokenizer
 
 FORMATS = sorted(TOOL_FORMATS)
-TOP_P = {"custom_params": {"return_top_p_token_ids": True}}
 SYSTEM = "You are a helpful assistant."
 FUNCTIONS = [
     {
@@ -90,23 +86,14 @@ class Stack:
         return text[text.rindex(head) + len(head) : -len("<|im_end|>\n")]
 
     def session(self) -> str:
-        sid = f"fmt-{uuid.uuid4().hex[:10]}"
-        body = {"session_id": sid, "sampling_defaults": TOP_P, "num_layers": SIM_LAYERS, "moe_router_topk": SIM_TOPK}
-        response = httpx.post(f"{self.gateway.url}/v1/sessions", json=body)
-        assert response.status_code == 201, response.text
-        return sid
+        return new_session(self.gateway, prefix="fmt")
 
     def script(self, sid: str, *answers: str) -> None:
-        body = {"rid_prefix": f"{sid}-", "answers": [{"text": a} for a in answers]}
-        response = httpx.post(f"{self.sim.url}/sim/script", json=body)
-        assert response.status_code == 200, response.text
+        script(self.sim, sid, *answers)
 
     def failures(self) -> float:
         """``gateway_chat_tool_parse_failures_total`` for this format's parser."""
-        text = httpx.get(f"{self.gateway.url}/metrics").text
-        pattern = rf'^gateway_chat_tool_parse_failures_total\{{parser="{self.fmt}"\}} (\S+)$'
-        found = re.search(pattern, text, re.MULTILINE)
-        return float(found.group(1)) if found else 0.0
+        return metric(self.gateway, f'gateway_chat_tool_parse_failures_total{{parser="{self.fmt}"}}')
 
 
 @pytest.fixture(scope="module", params=FORMATS)
@@ -138,10 +125,6 @@ def check_call_ids(stack: Stack, ids: list[str]) -> None:
 
 
 # ---- OpenAI ---------------------------------------------------------------------------------------------------------
-def openai_client(stack: Stack, sid: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.gateway.url}/v1/sessions/{sid}", api_key="unused", max_retries=0)
-
-
 def openai_chat(client: openai.OpenAI, messages: list[dict[str, Any]], *, stream: bool) -> tuple[dict[str, Any], str]:
     """One completion as a message dict (the stream's deltas put together by call index) and its finish reason."""
     kwargs: dict[str, Any] = {"model": "tiny", "messages": messages, "tools": OPENAI_TOOLS, "max_tokens": 200}
@@ -175,7 +158,7 @@ def test_openai_parallel_calls_in_each_format(stack: Stack, stream: bool) -> Non
     sid = stack.session()
     call_text = stack.model_text(CONTENT, CALLS)
     stack.script(sid, call_text, FINAL_TEXT)
-    client = openai_client(stack, sid)
+    client = openai_client(stack.gateway, sid)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Weather and time in Paris?"},
@@ -204,7 +187,9 @@ def test_streamed_content_and_calls_equal_the_unary_ones(stack: Stack) -> None:
     for stream in (False, True):
         sid = stack.session()
         stack.script(sid, stack.model_text(CONTENT, CALLS))
-        reply, finish = openai_chat(openai_client(stack, sid), [{"role": "user", "content": "x"}], stream=stream)
+        reply, finish = openai_chat(
+            openai_client(stack.gateway, sid), [{"role": "user", "content": "x"}], stream=stream
+        )
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in reply["tool_calls"]]
         ids = [c["id"] for c in reply["tool_calls"]] if stack.fmt == "kimi_k2" else None
         answers.append((reply["content"], calls, ids, finish))
@@ -220,7 +205,9 @@ def test_malformed_calls_come_back_as_the_models_text(stack: Stack, stream: bool
         sid = stack.session()
         stack.script(sid, text)
         before = stack.failures()
-        reply, finish = openai_chat(openai_client(stack, sid), [{"role": "user", "content": "x"}], stream=stream)
+        reply, finish = openai_chat(
+            openai_client(stack.gateway, sid), [{"role": "user", "content": "x"}], stream=stream
+        )
         assert finish == "stop" and reply == {"role": "assistant", "content": text}
         assert stack.failures() == before + 1
         check_trajectory(stack.gateway.url, sid, stack.tokenizer, [text])
@@ -236,7 +223,9 @@ def test_text_that_only_looks_like_a_call_start_is_content(stack: Stack) -> None
         sid = stack.session()
         stack.script(sid, text)
         before = stack.failures()
-        reply, finish = openai_chat(openai_client(stack, sid), [{"role": "user", "content": "x"}], stream=stream)
+        reply, finish = openai_chat(
+            openai_client(stack.gateway, sid), [{"role": "user", "content": "x"}], stream=stream
+        )
         assert finish == "stop" and reply["content"] == text and stack.failures() == before
 
 
@@ -251,7 +240,7 @@ def test_anthropic_tool_use_in_each_format(stack: Stack, stream: bool) -> None:
     sid = stack.session()
     call_text = stack.model_text(CONTENT, CALLS)
     stack.script(sid, call_text, FINAL_TEXT)
-    client = anthropic.Anthropic(base_url=f"{stack.gateway.url}/v1/sessions/{sid}", api_key="unused", max_retries=0)
+    client = anthropic_client(stack.gateway, sid)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather and time in Paris?"}]
     first = anthropic_turn(client, messages, stream=stream)
     assert first.stop_reason == ANTHROPIC_STOP["calls"]

@@ -28,9 +28,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-import openai
 import pytest
-from chat_checks import CALL_TEXT, FINAL_TEXT, WEATHER_TOOL, sample, script, view
+from chat_checks import CALL_TEXT, FINAL_TEXT, WEATHER_TOOL, openai_client, sample, script, view
+from chat_checks import new_session as new_chat_session
 from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway
 from procs import REPO_ROOT
 from safetensors.numpy import load
@@ -57,12 +57,12 @@ def new_session(gateway: Service, headers: dict[str, str] | None = None, **body:
 
 
 def chat_session(gateway: Service, **extra: Any) -> str:
-    top_p = {"custom_params": {"return_top_p_token_ids": True}}
-    return new_session(gateway, num_layers=SIM_LAYERS, moe_router_topk=SIM_TOPK, sampling_defaults=top_p, **extra)
+    """A chat session with routing and top-p replay (chat_checks.new_session), named ``ui-...``."""
+    return new_chat_session(gateway, prefix="ui", **extra)
 
 
 def chat(gateway: Service, sid: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="unused", max_retries=0)
+    client = openai_client(gateway, sid)
     completion = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=256)
     return completion.choices[0].message.model_dump(exclude_none=True)
 
