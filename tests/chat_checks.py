@@ -74,22 +74,27 @@ def hermes_call(name: str, arguments: dict[str, Any]) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
+def _session_get(
+    url: str, route: str, params: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 5.0
+) -> httpx.Response:
+    """``GET /v1/sessions/{route}`` (a session's view, ``{sid}/sample`` its sample), asserting a 200."""
+    response = httpx.get(f"{url}/v1/sessions/{route}", params=params, headers=headers, timeout=timeout)
+    assert response.status_code == 200, response.text
+    return response
+
+
 def view(
     gateway: Service, sid: str, branch: int | None = None, headers: dict[str, str] | None = None
 ) -> dict[str, Any]:
     params = {} if branch is None else {"branch": branch}
-    response = httpx.get(f"{gateway.url}/v1/sessions/{sid}", params=params, headers=headers)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return _session_get(gateway.url, sid, params, headers).json()
 
 
 def sample(
     gateway: Service, sid: str, branch: int | None = None, headers: dict[str, str] | None = None
 ) -> dict[str, np.ndarray]:
     params = {} if branch is None else {"branch": branch}
-    response = httpx.get(f"{gateway.url}/v1/sessions/{sid}/sample", params=params, headers=headers)
-    assert response.status_code == 200, response.text
-    return load(response.content)
+    return load(_session_get(gateway.url, f"{sid}/sample", params, headers).content)
 
 
 def metric(gateway: Service, name: str) -> float:
@@ -123,16 +128,11 @@ def anthropic_turn(client: anthropic.Anthropic, *, stream: bool, **kwargs: Any) 
 
 
 def full_view(url: str, sid: str, headers: dict[str, str] | None = None, branch: int = 0) -> dict[str, Any]:
-    params = {"full": "true", "branch": str(branch)}
-    response = httpx.get(f"{url}/v1/sessions/{sid}", params=params, headers=headers, timeout=30)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return _session_get(url, sid, {"full": "true", "branch": str(branch)}, headers, timeout=30).json()
 
 
 def session_sample(url: str, sid: str, headers: dict[str, str] | None = None, branch: int = 0) -> dict[str, np.ndarray]:
-    response = httpx.get(f"{url}/v1/sessions/{sid}/sample", params={"branch": branch}, headers=headers, timeout=30)
-    assert response.status_code == 200, response.text
-    return load(response.content)
+    return load(_session_get(url, f"{sid}/sample", {"branch": branch}, headers, timeout=30).content)
 
 
 def template_messages(record: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
