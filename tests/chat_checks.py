@@ -113,6 +113,46 @@ def anthropic_client(gateway: Service, sid: str, **kwargs: Any) -> anthropic.Ant
     return anthropic.Anthropic(base_url=f"{gateway.url}/v1/sessions/{sid}", api_key="unused", max_retries=0, **kwargs)
 
 
+def openai_chat(
+    client: openai.OpenAI,
+    messages: list[dict[str, Any]],
+    *,
+    stream: bool,
+    tools: list[dict[str, Any]] | None = None,
+    **kwargs: Any,
+) -> tuple[dict[str, Any], str | None, Any]:
+    """One Chat Completions turn (``tools``: the weather tool unless given) as a message dict, reasoning included
+    when there is some, its finish reason and usage, streamed or not."""
+    tools = [WEATHER_TOOL] if tools is None else tools
+    if not stream:
+        completion = client.chat.completions.create(model="tiny", messages=messages, tools=tools, **kwargs)
+        choice = completion.choices[0]
+        return choice.message.model_dump(exclude_none=True), choice.finish_reason, completion.usage
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    finish = None
+    chunks = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    usage = None
+    for chunk in chunks:
+        usage = chunk.usage or usage
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content.append(delta.content or "")
+        reasoning.append((delta.model_extra or {}).get("reasoning_content") or "")
+        for call in delta.tool_calls or ():
+            calls.append({"id": call.id, "type": "function", "function": call.function.model_dump()})
+        finish = chunk.choices[0].finish_reason or finish
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
+    message["reasoning_content"] = "".join(reasoning) or None
+    if calls:
+        message["tool_calls"] = calls
+    return {k: v for k, v in message.items() if v is not None}, finish, usage
+
+
 def anthropic_turn(client: anthropic.Anthropic, *, stream: bool, **kwargs: Any) -> Any:
     """One Messages turn, unary or streamed (then the streamed text must equal the final message's)."""
     if not stream:

@@ -32,6 +32,7 @@ from chat_checks import (
     anthropic_client,
     metric,
     new_session,
+    openai_chat,
     openai_client,
     sample,
     script,
@@ -71,34 +72,6 @@ def _arguments_parsed(message: dict[str, Any]) -> dict[str, Any]:
         for c in calls
     ]
     return {**message, "tool_calls": parsed}
-
-
-def openai_chat(client: openai.OpenAI, messages: list[dict[str, Any]], *, stream: bool, **kwargs: Any) -> Any:
-    """One completion as a message dict, its finish reason and usage, streamed or not."""
-    if not stream:
-        completion = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, **kwargs)
-        choice = completion.choices[0]
-        return choice.message.model_dump(exclude_none=True), choice.finish_reason, completion.usage
-    content: list[str] = []
-    calls: list[dict[str, Any]] = []
-    finish = None
-    chunks = client.chat.completions.create(
-        model="tiny", messages=messages, tools=TOOLS, stream=True, stream_options={"include_usage": True}, **kwargs
-    )
-    usage = None
-    for chunk in chunks:
-        usage = chunk.usage or usage
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        content.append(delta.content or "")
-        for call in delta.tool_calls or ():
-            calls.append({"id": call.id, "type": "function", "function": call.function.model_dump()})
-        finish = chunk.choices[0].finish_reason or finish
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
-    if calls:
-        message["tool_calls"] = calls
-    return {k: v for k, v in message.items() if v is not None}, finish, usage
 
 
 # ---- the agent loop, OpenAI -------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from chat_checks import (
     full_view,
     metric,
     new_session,
+    openai_chat,
     openai_client,
     script,
     session_sample,
@@ -127,26 +128,7 @@ def reasoning_gateway(chat_sim: Service, qwen3_dir: Path) -> Iterator[Service]:
 
 def chat(client: openai.OpenAI, messages: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
     """One completion as a message dict, reasoning included, streamed or not."""
-    if not stream:
-        message = (
-            client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL]).choices[0].message
-        )
-        return message.model_dump(exclude_none=True)
-    content, reasoning, calls = [], [], []
-    for chunk in client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], stream=True):
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        content.append(delta.content or "")
-        reasoning.append((delta.model_extra or {}).get("reasoning_content") or "")
-        calls.extend(
-            {"id": c.id, "type": "function", "function": c.function.model_dump()} for c in delta.tool_calls or ()
-        )
-    out: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
-    out["reasoning_content"] = "".join(reasoning) or None
-    if calls:
-        out["tool_calls"] = calls
-    return {k: v for k, v in out.items() if v is not None}
+    return openai_chat(client, messages, stream=stream)[0]
 
 
 # ---- the reasoning parser ----------------------------------------------------------------------------------------
