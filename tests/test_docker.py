@@ -151,13 +151,20 @@ def curl(
     return CurlResult(int(status), payload if output is None else output.read_bytes())
 
 
-def router_image() -> str:
-    if chosen := os.environ.get("ROUTER_IMAGE"):
+def pick_image(env_var: str, official: str, local: str) -> str:
+    """An image for the compose file: ``env_var`` when set, else the official one if it is here, else the local
+    stand-in (scripts/docker_engine.sh builds it where Docker Hub cannot be reached) if it is here, else the
+    official one (compose pulls it)."""
+    if chosen := os.environ.get(env_var):
         return chosen
-    for candidate in (OFFICIAL_BASE_IMAGE, LOCAL_BASE_IMAGE):
+    for candidate in (official, local):
         if docker("image", "inspect", candidate, check=False).returncode == 0:
             return candidate
-    return OFFICIAL_BASE_IMAGE  # compose pulls it
+    return official
+
+
+def router_image() -> str:
+    return pick_image("ROUTER_IMAGE", OFFICIAL_BASE_IMAGE, LOCAL_BASE_IMAGE)
 
 
 def compose_command() -> list[str] | None:
@@ -439,13 +446,8 @@ def test_compose_demo_profile_gateway_router_simulator() -> None:
 
 def redis_image() -> str:
     """The compose file's Redis: REDIS_IMAGE, else redis:7 if it is here, else the one scripts/docker_engine.sh
-    builds from Debian's redis-server where Docker Hub cannot be reached."""
-    if chosen := os.environ.get("REDIS_IMAGE"):
-        return chosen
-    for candidate in (OFFICIAL_REDIS_IMAGE, LOCAL_REDIS_IMAGE):
-        if docker("image", "inspect", candidate, check=False).returncode == 0:
-            return candidate
-    return OFFICIAL_REDIS_IMAGE  # compose pulls it
+    builds from Debian's redis-server."""
+    return pick_image("REDIS_IMAGE", OFFICIAL_REDIS_IMAGE, LOCAL_REDIS_IMAGE)
 
 
 def test_compose_redis_profile_session_survives_a_gateway_restart(simulator: Service, tmp_path: Path) -> None:
