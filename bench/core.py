@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from bench.services import Services
@@ -96,6 +96,16 @@ RowFn = Callable[[Context], RowResult]
 
 
 # ---- clocks and loops ------------------------------------------------------------------------------------------
+T = TypeVar("T")
+
+
+def rotation(names: Sequence[T], round_number: int) -> list[T]:
+    """The order of round ``round_number`` when the order rotates every round (A B C, B C A, C A B, ...): each
+    runs first, second, ..., last in turn."""
+    shift = round_number % len(names)
+    return [*names[shift:], *names[:shift]]
+
+
 def interleaved_best(
     runs: dict[str, Callable[[], object]], repeat: int, clock: Callable[[], float] = time.process_time
 ) -> dict[str, float]:
@@ -106,8 +116,7 @@ def interleaved_best(
     best = dict.fromkeys(runs, math.inf)
     names = list(runs)
     for round_number in range(repeat):
-        shift = round_number % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotation(names, round_number):
             start = clock()
             runs[name]()
             best[name] = min(best[name], clock() - start)

@@ -29,7 +29,7 @@ import numpy as np
 import orjson
 import uvloop
 
-from bench.core import Check, Context, RowResult, log, median, ratio
+from bench.core import Check, Context, RowResult, log, median, ratio, rotation
 from bench.services import ServerProcess, read_body
 from bench.workload import TOP_P_FLAG, prompt_ids
 from slime_wire.http1 import ConnectionPool
@@ -199,8 +199,7 @@ async def measure(ctx: Context) -> dict[str, Any]:
         await sides.token()
         await sides.responses()
         for round_number in range(shape.rounds):
-            shift = round_number % len(order)  # each kind runs first, second and last in turn
-            for kind in order[shift:] + order[:shift]:
+            for kind in rotation(order, round_number):  # each kind runs first, second and last in turn
                 if kind == "chat":
                     wall, cpu, render, info = await sides.chat()
                     got["render"].append(render)

@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 import uvloop
 
-from bench.core import Check, Context, RowResult, log, median, ratio
+from bench.core import Check, Context, RowResult, log, median, ratio, rotation
 from bench.rows.redis_turn import sample_tokens
 from bench.services import (
     REDIS_SERVER,
@@ -168,8 +168,7 @@ async def measure(
         for mode in MODES:  # warm-up: connections, first-use costs in every process
             await load.phase(mode, processes)
         for round_number in range(shape.rounds):
-            shift = round_number % len(MODES)
-            for mode in MODES[shift:] + MODES[:shift]:
+            for mode in rotation(MODES, round_number):
                 got[mode].append(await load.phase(mode, processes))
             log(
                 f"row 17: round {round_number + 1}/{shape.rounds}: sessions/s "

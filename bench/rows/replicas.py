@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 import uvloop
 
-from bench.core import Check, Context, RowResult, log, median, percentile, ratio
+from bench.core import Check, Context, RowResult, log, median, percentile, ratio, rotation
 from bench.rows.redis_turn import sample_tokens
 from bench.services import ServerProcess, read_body
 from bench.workload import TOP_P_FLAG, prompt_ids
@@ -123,8 +123,7 @@ async def measure(ctx: Context) -> dict[str, list[dict[str, Any]]]:
         for mode in MODES:  # warm-up: connections, first-use costs in every process
             await load.phase(mode, 1)
         for round_number in range(shape.rounds):
-            shift = round_number % len(MODES)
-            for mode in MODES[shift:] + MODES[:shift]:
+            for mode in rotation(MODES, round_number):
                 got[mode].append(await load.phase(mode, shape.loops))
             log(
                 f"row 15: round {round_number + 1}/{shape.rounds}: model turns/s "
