@@ -77,8 +77,9 @@ class ConnectionGuard:
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
-        self._fresh: OrderedDict[GuardedHttpToolsProtocol, float] = OrderedDict()  # -> when it was accepted
-        self._idle: OrderedDict[GuardedHttpToolsProtocol, None] = OrderedDict()
+        # The fresh and idle ones -> when they entered that state.
+        self._fresh: OrderedDict[GuardedHttpToolsProtocol, float] = OrderedDict()
+        self._idle: OrderedDict[GuardedHttpToolsProtocol, float] = OrderedDict()
         self._receiving: OrderedDict[GuardedHttpToolsProtocol, None] = OrderedDict()
         self._busy: set[GuardedHttpToolsProtocol] = set()
         self.closed = {"header_timeout": 0, "body_timeout": 0, "evicted": 0, "evicted_mid_body": 0, "refused": 0}
@@ -101,8 +102,9 @@ class ConnectionGuard:
         return True
 
     def _make_room(self, now: float) -> bool:
-        silent = next(iter(self._fresh.items()), None)  # the oldest fresh connection, and when it was accepted
-        if silent is not None and now - silent[1] >= FRESH_GRACE_S and not self._idle_longer_than(silent[1]):
+        accepted = next(iter(self._fresh.values()), now)  # when the oldest fresh connection was
+        idle_since = next(iter(self._idle.values()), now)
+        if now - accepted >= FRESH_GRACE_S and accepted <= idle_since:  # silent past its grace, and longest waiting
             self._evict_idle(self._fresh.popitem(last=False)[0])
         elif self._idle:
             self._evict_idle(self._idle.popitem(last=False)[0])
@@ -116,11 +118,6 @@ class ConnectionGuard:
             return False
         return True
 
-    def _idle_longer_than(self, accepted: float) -> bool:
-        """Whether the longest-idle connection has waited longer than a fresh one accepted at ``accepted``."""
-        oldest = next(iter(self._idle), None)
-        return oldest is not None and oldest.idle_since < accepted
-
     def _evict_idle(self, connection: GuardedHttpToolsProtocol) -> None:
         self.closed["evicted"] += 1
         connection.evict()
@@ -129,21 +126,19 @@ class ConnectionGuard:
         """Its first bytes of a request head arrived: idle from now on (a partial head is no request yet)."""
         if connection in self._fresh:
             del self._fresh[connection]
-            self._enter_idle(connection)
-
-    def _enter_idle(self, connection: GuardedHttpToolsProtocol) -> None:
-        connection.idle_since = self._clock()
-        self._idle[connection] = None
+            self._idle[connection] = self._clock()
 
     def is_busy(self, connection: GuardedHttpToolsProtocol) -> bool:
         return connection in self._busy or connection in self._receiving
 
-    def receiving(self, connection: GuardedHttpToolsProtocol) -> None:
-        """Its head is complete. Not when a pipelined request follows one in flight: that connection stays busy."""
-        if connection in self._idle or connection in self._fresh:
-            self._idle.pop(connection, None)
-            self._fresh.pop(connection, None)
-            self._receiving[connection] = None
+    def receiving(self, connection: GuardedHttpToolsProtocol) -> bool:
+        """Its head is complete (its first bytes made it idle). False for a pipelined request that follows one in
+        flight: that connection stays busy, and the request waits unread until the one before it is answered."""
+        if connection not in self._idle:
+            return False
+        del self._idle[connection]
+        self._receiving[connection] = None
+        return True
 
     def busy(self, connection: GuardedHttpToolsProtocol) -> None:
         """Its body is complete (or it had none)."""
@@ -156,7 +151,7 @@ class ConnectionGuard:
         if connection in self._busy or connection in self._receiving:
             self._busy.discard(connection)
             self._receiving.pop(connection, None)
-            self._enter_idle(connection)
+            self._idle[connection] = self._clock()
 
     def forget(self, connection: GuardedHttpToolsProtocol) -> None:
         self._fresh.pop(connection, None)
@@ -192,7 +187,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_started = False
         self._body_deadline: asyncio.TimerHandle | None = None
         self._drop_deadline: asyncio.TimerHandle | None = None
-        self.idle_since = 0.0  # when it last entered the guard's idle state (monotonic)
 
     # ---- the connection's life -----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -243,10 +237,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_head_deadline()
         self._head_started = False
-        self.guard.receiving(self)
+        receiving = self.guard.receiving(self)
         super().on_headers_complete()
-        # A request without a body completes in the same parser pass (on_message_complete disarms this at once).
-        self._body_deadline = self.loop.call_later(self.guard.body_timeout_s, self._body_deadline_passed)
+        if receiving:  # (a pipelined request's body is not read before its turn: no deadline runs for it)
+            # A request without a body completes in the same parser pass (on_message_complete disarms this at once).
+            self._body_deadline = self.loop.call_later(self.guard.body_timeout_s, self._body_deadline_passed)
 
     def on_message_complete(self) -> None:
         self._disarm_body_deadline()

@@ -22,7 +22,7 @@ class Connection:
     """What the guard calls on a connection."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.closed, self.idle_since = name, "", 0.0
+        self.name, self.closed = name, ""
 
     def evict(self) -> None:
         self.closed = "evicted"

@@ -152,19 +152,25 @@ def read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float
     return received, time.monotonic() - started
 
 
-def read_response(sock: socket.socket) -> bytes:
+def read_response(sock: socket.socket, limit_s: float = 5) -> bytes:
     """One whole response (these have a Content-Length)."""
-    sock.settimeout(5)
-    received = b""
+    sock.settimeout(limit_s)
+    received = receive_more(sock, b"")
     while b"\r\n\r\n" not in received:
-        received += sock.recv(65536)
+        received = receive_more(sock, received)
     head, body = received.split(b"\r\n\r\n", 1)
     length = next(
         int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
     )
     while len(body) < length:
-        body += sock.recv(65536)
+        body = receive_more(sock, body)
     return head + b"\r\n\r\n" + body
+
+
+def receive_more(sock: socket.socket, received: bytes) -> bytes:
+    if not (chunk := sock.recv(65536)):
+        raise AssertionError(f"the gateway closed the connection after {received[:300]!r}")
+    return received + chunk
 
 
 def test_silent_connection_is_closed_without_a_word(quick_deadline: RunningProcess) -> None:
@@ -343,6 +349,27 @@ def test_a_body_in_time_is_served_and_the_connection_kept(simulator: Service) ->
             sock.sendall(body)
             assert read_response(sock).startswith(b"HTTP/1.1 201 ")
             time.sleep(BODY_TIMEOUT_S * 0.75)  # the deadlines of the two requests add up past one: each has its own
+
+
+def test_a_pipelined_body_waits_its_turn_without_a_deadline() -> None:
+    """A request pipelined behind a slow one is not read until that one is answered (uvicorn pauses reading), so
+    no body deadline may run for it meanwhile: a 408 would land in the middle of the first answer."""
+    slow = b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}'
+    body = b'{"prompt_ids": [1, 2, 3]}'
+    env = {"GATEWAY_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)}
+    with run_simulator() as sim, gateway_process(sim.url, env) as gateway:
+        fault = {"mode": "delay", "count": 1, "delay_s": BODY_TIMEOUT_S * 2}
+        httpx.post(f"{sim.url}/sim/faults", json=fault).raise_for_status()
+        with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+            sock.sendall(
+                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(slow), slow)
+                + b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body[:5])
+            )
+            first = read_response(sock, BODY_TIMEOUT_S * 4)
+            sock.sendall(body[5:])
+            second = read_response(sock)
+    assert first.startswith(b"HTTP/1.1 200 "), first[:200]
+    assert second.startswith(b"HTTP/1.1 201 "), second[:200]
 
 
 # ---- client hang-ups -------------------------------------------------------------------------------------------------
