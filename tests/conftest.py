@@ -87,21 +87,13 @@ def chat_gateway(chat_sim: Service, tokenizer_dir: Path) -> Iterator[Service]:
 REDIS_DIR = REPO_ROOT / ".redis"
 
 
-def redis_server_binary() -> Path:
-    binary = REDIS_DIR / "bin" / "redis-server"
+def redis_binary(name: str, note: str = "") -> Path:
+    """``.redis/bin/<name>``; a skip naming why when it is not there (``note``: what it is needed for)."""
+    binary = REDIS_DIR / "bin" / name
     if not binary.exists():
         log = REDIS_DIR / "install.log"
         why = log.read_text().strip()[-500:] if log.exists() else "run `make redis` (scripts/redis_server.sh)"
-        pytest.skip(f"no redis-server in {binary.parent}: {why}")
-    return binary
-
-
-def redis_cli_binary() -> Path:
-    binary = REDIS_DIR / "bin" / "redis-cli"
-    if not binary.exists():
-        log = REDIS_DIR / "install.log"
-        why = log.read_text().strip()[-500:] if log.exists() else "run `make redis` (scripts/redis_server.sh)"
-        pytest.skip(f"no redis-cli in {binary.parent} (a Redis Cluster is created with it): {why}")
+        pytest.skip(f"no {name} in {binary.parent}{note}: {why}")
     return binary
 
 
@@ -114,7 +106,7 @@ class RedisServer:
 
 def start_redis_process(port: int, *args: str) -> subprocess.Popen[bytes]:
     """redis-server on 127.0.0.1:``port`` with ``args`` (no persistence unless they ask for it), once it answers."""
-    command = [str(redis_server_binary()), "--port", str(port), "--bind", "127.0.0.1"]
+    command = [str(redis_binary("redis-server")), "--port", str(port), "--bind", "127.0.0.1"]
     command += ["--save", "", "--appendonly", "no", *args]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
@@ -190,7 +182,7 @@ class RedisClusterNodes:
 def run_redis_cluster(directory: Path, *extra: str, masters: int = 3) -> Iterator[RedisClusterNodes]:
     """A real Redis Cluster of ``masters`` masters (no replicas) on loopback, created with ``redis-cli --cluster
     create`` as an operator would."""
-    cli = redis_cli_binary()
+    cli = redis_binary("redis-cli", " (a Redis Cluster is created with it)")
     ports: list[int] = []
     while len(ports) < 2 * masters:  # a client port and a cluster bus port per node, all distinct
         if (port := free_port()) not in ports:
