@@ -57,7 +57,7 @@ from gateway.buffers import GrowableArray
 from gateway.chat.conversation import ChatRecord
 from gateway.errors import SessionBusy, SessionExists, SessionNotFound, StoreUnavailable
 from gateway.sample import MoEShape, SessionSample, Status, TurnRecord
-from gateway.store import Branch, Session, SessionStore, Trajectory
+from gateway.store import Branch, Session, SessionQuery, SessionStore, Trajectory, page_of
 
 log = logging.getLogger("gateway.redis_store")
 
@@ -420,27 +420,26 @@ class RedisSessionStore(SessionStore):
     async def hold(self, session: Session, branch: Branch) -> Trajectory:
         """The lease (unless this replica holds it for another branch's turn), then the branch; a session that
         changed in Redis since ``session`` was read is a 409 (planned against an old copy: send it again)."""
-        current = await self._take_lease(session.session_id)
-        if current is not session or branch not in session.branches:
-            await self._put_back(session.session_id)
-            raise SessionBusy(
-                f"session {session.session_id!r} changed while this request was planned; send it again",
-                session_id=session.session_id,
-            )
+        await self._lease_as_planned(session, branch)
         return await self._hold_branch(session, branch)
 
     async def start_branch(self, session: Session, branch: Branch) -> Trajectory:
-        current = await self._take_lease(session.session_id)
-        if current is not session:
-            await self._put_back(session.session_id)
-            raise SessionBusy(
-                f"session {session.session_id!r} changed while this request was planned; send it again",
-                session_id=session.session_id,
-            )
+        await self._lease_as_planned(session)
         session.branches.append(branch)
         trajectory = await self._hold_branch(session, branch)
         self.recount(session)
         return trajectory
+
+    async def _lease_as_planned(self, session: Session, branch: Branch | None = None) -> None:
+        """The lease for a turn planned against ``session`` (on its ``branch``): a 409 when Redis has another copy
+        of the session now (or that copy lacks the branch)."""
+        current = await self._take_lease(session.session_id)
+        if current is not session or (branch is not None and branch not in session.branches):
+            await self._put_back(session.session_id)
+            raise SessionBusy(
+                f"session {session.session_id!r} changed while this request was planned; send it again",
+                session_id=session.session_id,
+            )
 
     async def _hold_branch(self, session: Session, branch: Branch) -> Trajectory:
         try:
@@ -492,23 +491,25 @@ class RedisSessionStore(SessionStore):
 
     async def _put_back(self, session_id: str) -> None:
         """Undo one ``_take_lease`` that no turn used: the last one lets the lease go (nothing to write)."""
-        self._holds[session_id] -= 1
-        if self._holds[session_id]:
-            return
-        del self._holds[session_id]
-        value = self._leases.pop(session_id)
-        self._let_go(session_id, value)
+        value, last = self._drop_hold(session_id)
+        if value is not None and last:
+            self._let_go(session_id, value)
+
+    def _drop_hold(self, session_id: str) -> tuple[str | None, bool]:
+        """Count one hold on the session off: (its lease, if any; whether that was the last hold, which takes the
+        lease off the books: the caller lets it go in Redis)."""
+        value = self._leases.get(session_id)
+        if value is not None and self._holds.get(session_id, 0) > 1:
+            self._holds[session_id] -= 1
+            return value, False
+        self._holds.pop(session_id, None)
+        self._leases.pop(session_id, None)
+        return value, True
 
     async def release(self, trajectory: Trajectory) -> None:
         session = trajectory.session
         sid = session.session_id
-        value = self._leases.get(sid)
-        last = self._holds.get(sid, 0) <= 1
-        if value is not None and last:
-            self._holds.pop(sid, None)
-            self._leases.pop(sid)
-        elif value is not None:
-            self._holds[sid] -= 1
+        value, last = self._drop_hold(sid)
         try:
             if value is not None:
                 cached = self._cached.get(sid)
@@ -558,6 +559,10 @@ class RedisSessionStore(SessionStore):
             if summary is not None:
                 summaries.append(orjson.loads(summary) | {"busy": bool(busy)})
         return summaries
+
+    async def list_page(self, query: SessionQuery) -> tuple[int, list[dict[str, Any]]]:
+        """Over every session's stored listing row (``summary``): Redis has no index by status or metadata."""
+        return page_of(await self.list_sessions(), query)
 
     async def holder(self, session_id: str) -> str | None:
         with self._errors("read"):
@@ -655,13 +660,15 @@ class RedisSessionStore(SessionStore):
         key = self._keys.session(sid)
         batch = WriteBatch(key, secrets.token_hex(8))
         kept = [b for b in session.branches if only is None or b is only or b.sample.persisted]
-        pending = [batch.sample(b.sample) if only is None or b is only else dict(b.sample.persisted) for b in kept]
+        own = [only is None or b is only for b in kept]  # written now; the others as Redis has them
+        pending = [
+            batch.sample(b.sample) if mine else dict(b.sample.persisted) for b, mine in zip(kept, own, strict=True)
+        ]
         written = self._written.get(sid, {}) if base else {}
-        own = {BRANCH_FIELD + done["id"] for b, done in zip(kept, pending, strict=True) if only is None or b is only}
         fields = {
             name: value
-            for name, value in _session_fields(session, kept, pending).items()
-            if written.get(name) != value and (not name.startswith(BRANCH_FIELD) or name in own)
+            for name, value in _session_fields(session, kept, pending, own).items()
+            if written.get(name) != value
         }
         # A create's keys get their TTL as they are created; later, the whole session's keys and its index score
         # are pushed forward now and then (an APPEND keeps a key's TTL; a PEXPIRE of every key on every write cost
@@ -910,9 +917,11 @@ SESSION_FIELDS = ("samples", "metadata", "sampling_defaults", "created_at", "upd
 BRANCH_FIELD = "branch:"
 
 
-def _session_fields(session: Session, branches: list[Branch], pending: list[dict[str, Any]]) -> dict[str, bytes]:
+def _session_fields(
+    session: Session, branches: list[Branch], pending: list[dict[str, Any]], own: list[bool]
+) -> dict[str, bytes]:
     """The hash's fields (besides incarnation and stamp), each a JSON document or a number: the branches' samples,
-    listed in order, and each branch's field."""
+    listed in order, and the field of each branch ``own`` marks (the ones written now: a chat record is big)."""
     ids = {id(branch.sample): done["id"] for branch, done in zip(branches, pending, strict=True)}
     fields = {
         "samples": orjson.dumps(_layout(pending)),
@@ -922,21 +931,18 @@ def _session_fields(session: Session, branches: list[Branch], pending: list[dict
         "updated_at": repr(session.updated_at).encode(),
         "summary": orjson.dumps(session.listing() | {"busy": False}),
     }
-    for branch, done in zip(branches, pending, strict=True):
-        parent = None if branch.parent is None else ids.get(id(branch.parent.sample))
-        fields[BRANCH_FIELD + done["id"]] = orjson.dumps(
-            {
-                "parent": parent,
-                "fork_token": branch.fork_token,
-                "first_difference": branch.first_difference,
-                "cause": branch.cause,
-                "model": branch.model,
-                "created_at": branch.created_at,
-                "updated_at": branch.updated_at,
-                "record": None if branch.record is None else branch.record.to_json(),
-            }
-        )
+    for branch, done, mine in zip(branches, pending, own, strict=True):
+        if mine:
+            parent = None if branch.parent is None else ids.get(id(branch.parent.sample))
+            record = None if branch.record is None else branch.record.to_json()
+            fields[BRANCH_FIELD + done["id"]] = orjson.dumps(
+                {"parent": parent, **branch.tree_fields(), "record": record}
+            )
     return fields
+
+
+# A branch field without some of Branch.TREE_FIELDS reads them as these (None where not listed).
+_TREE_DEFAULTS: dict[str, Any] = {"fork_token": 0, "created_at": 0.0, "updated_at": 0.0}
 
 
 def _session_from_fields(
@@ -951,12 +957,7 @@ def _session_from_fields(
         branch = Branch(
             sample,
             record=None if record is None else ChatRecord.from_json(record),
-            fork_token=meta.get("fork_token", 0),
-            first_difference=meta.get("first_difference"),
-            cause=meta.get("cause"),
-            model=meta.get("model"),
-            created_at=meta.get("created_at", 0.0),
-            updated_at=meta.get("updated_at", 0.0),
+            **{name: meta.get(name, _TREE_DEFAULTS.get(name)) for name in Branch.TREE_FIELDS},
         )
         by_id[sample_id] = branch
         parents.append((branch, meta.get("parent")))

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import orjson
 
@@ -55,6 +55,17 @@ class Branch:
     the one it shares the longest prefix with (``parent``, ``fork_token`` leading tokens in common), or starts a new
     root. A turn holds the branch it runs on (``busy``), so turns on different branches run concurrently."""
 
+    # Where a branch stands in the tree besides its parent, as the view's branches[i], its sample's metadata and the
+    # Redis store's branch field carry it.
+    TREE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "fork_token",
+        "first_difference",
+        "cause",
+        "model",
+        "created_at",
+        "updated_at",
+    )
+
     sample: SessionSample
     record: Any = None  # a chat branch's message record (``gateway.chat.conversation.ChatRecord``), else None
     parent: Branch | None = None
@@ -71,6 +82,9 @@ class Branch:
     def turns(self) -> int:
         """Turns on this branch (model turns and appended tokens: the turn log's entries)."""
         return len(self.sample.turns)
+
+    def tree_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.TREE_FIELDS}
 
     def touch(self) -> None:
         self.updated_at = time.time()
@@ -105,10 +119,6 @@ class Session:
         return any(branch.busy for branch in self.branches)
 
     @property
-    def is_chat(self) -> bool:
-        return any(branch.record is not None for branch in self.branches)
-
-    @property
     def stored_bytes(self) -> int:
         return sum(branch.sample.stored_bytes for branch in self.branches)
 
@@ -136,22 +146,12 @@ class Session:
         """A row of the session inspector's list (``SessionStore.list_page``)."""
         return self.summary() | {"branches": len(self.branches), "metadata": self.metadata}
 
-    @property
-    def samples(self) -> list[SessionSample]:
-        """Every trajectory, as the sample fetches number them: the branches in the order they were started."""
-        return [branch.sample for branch in self.branches]
-
     def branch_meta(self, branch: Branch) -> dict[str, Any]:
         """Where a branch stands in the tree: what the view's ``branches[i]`` and its sample's metadata carry."""
         return {
             "branch": self.index(branch),
             "parent": None if branch.parent is None else self.index(branch.parent),
-            "fork_token": branch.fork_token,
-            "first_difference": branch.first_difference,
-            "cause": branch.cause,
-            "model": branch.model,
-            "created_at": branch.created_at,
-            "updated_at": branch.updated_at,
+            **branch.tree_fields(),
             "turns": branch.turns,
         }
 
@@ -246,12 +246,12 @@ _MISSING = object()
 
 
 def page_of(rows: list[dict[str, Any]], query: SessionQuery) -> tuple[int, list[dict[str, Any]]]:
-    """``SessionStore.list_page`` over summaries (``list_sessions``): rows without ``metadata`` match no metadata
-    filter."""
+    """``SessionStore.list_page`` over listing rows that are already built (a store whose sessions live elsewhere:
+    Redis); rows without ``metadata`` match no metadata filter."""
     matching = [row for row in rows if query.matches(row["status"], row.get("metadata") or {})]
     matching.sort(key=lambda row: row["created_at"], reverse=True)
     page = matching[query.offset : query.offset + query.limit]
-    return len(matching), [{"branches": row.get("branch", 0) + 1, "metadata": {}} | row for row in page]
+    return len(matching), page
 
 
 def _as_text(value: Any) -> str:
@@ -292,8 +292,6 @@ class SessionStore:
         """(sessions matching ``query``, the page's ``Session.listing`` rows), newest first. Only the page's rows are
         built: without a filter a page costs O(offset + limit), with one a scan of cheap checks (a fraction of what
         building every summary costs), never 100k summaries."""
-        if type(self).list_sessions is not SessionStore.list_sessions:
-            return page_of(await self.list_sessions(), query)  # a store whose sessions live elsewhere (Redis)
         newest_first: Iterator[Session] = reversed(self._sessions.values())  # insertion order is creation order
         if query.filtered:
             # Status is a StrEnum: compared as the string it is (its .value is a slow property)

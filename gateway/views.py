@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 LAST_TOKENS_SHOWN = 16
 # A branch's place in the tree, in the view's branches[i] and in its sample's metadata (Session.branch_meta).
-BRANCH_KEYS = ("parent", "fork_token", "first_difference", "cause", "model", "created_at", "updated_at")
+BRANCH_KEYS = ("parent", *Branch.TREE_FIELDS)
 
 
 def session_summary(session: Session) -> dict[str, Any]:
@@ -30,7 +30,7 @@ def session_summary(session: Session) -> dict[str, Any]:
 def session_view(session: Session, branch: int | None = None) -> dict[str, Any]:
     """The curl view of one branch (the root by default): the session's summary, that branch's sample and chat
     record, and the whole tree in ``branches``."""
-    chosen = session.branches[_branch_index(session, branch)]
+    chosen = _branch_of(session, branch)
     sample = chosen.sample
     arrays = sample.arrays()
     view = (
@@ -124,23 +124,23 @@ class FullView:
 
 
 def full_view(session: Session, branch: int | None = None) -> FullView:
-    chosen = session.branches[_branch_index(session, branch)]
+    chosen = _branch_of(session, branch)
     view = session_view(session, branch)
     if chosen.record is not None:  # the record whole: every message's text, the tools with their schemas
         view["chat"]["record"] = chosen.record.to_json()
     return FullView(view, chosen.sample.arrays())
 
 
-def _branch_index(session: Session, branch: int | None) -> int:
-    """``branch`` checked against the session's tree (None: the root, 0)."""
+def _branch_of(session: Session, branch: int | None) -> Branch:
+    """The session's branch number ``branch`` (None: the root, 0)."""
     if branch is None:
-        return 0
+        return session.branches[0]
     if not 0 <= branch < len(session.branches):
         raise BranchNotFound(
             f"session {session.session_id!r} has branches 0..{len(session.branches) - 1}, not {branch}",
             branches=len(session.branches),
         )
-    return branch
+    return session.branches[branch]
 
 
 def _json_array(values: np.ndarray) -> bytes:
@@ -203,7 +203,7 @@ class SamplePayload:
 
 
 def sample_payload(session: Session, branch: int | None = None) -> SamplePayload:
-    chosen = session.branches[_branch_index(session, branch)]
+    chosen = _branch_of(session, branch)
     return SamplePayload(chosen.sample.arrays(), sample_metadata(session, chosen))
 
 
