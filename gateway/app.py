@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from gateway import __version__, openapi
 from gateway.auth import HEALTH_PATH, METRICS_PATH, AuthMiddleware, KeyRing
+from gateway.chat.api import error_status
 from gateway.chat.service import ChatService, ChatSettings
 from gateway.chat.template import ChatTemplate
 from gateway.config import Settings, stored_bytes_limit
@@ -186,7 +187,7 @@ async def _gateway_error(request: Request, exc: Exception) -> Response:
     body = chat.api_error_body(request.url.path, exc)  # under a chat API's prefix: in that API's shape
     if body is None:
         return error_response(exc)
-    response = json_response(body, status_code=exc.status_code)
+    response = json_response(body, status_code=error_status(exc))  # the chat APIs answer a bad request 400
     response.headers.update(exc.response_headers())
     return response
 

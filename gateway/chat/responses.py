@@ -46,7 +46,6 @@ from gateway.chat.api import (
     decode,
 )
 from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, Tool, ToolCall
-from gateway.chat.openai import error_body as openai_error_body
 from gateway.chat.openai import openai_error_json
 from gateway.chat.service import ChatResult, StreamEvent
 
@@ -734,10 +733,7 @@ class EventWriter:
         return b"".join(out)
 
 
-# ---- errors: OpenAI's shape, as on the chat completions route ------------------------------------------------
-error_body = openai_error_body
-
-
+# ---- errors: OpenAI's shape, as on the chat completions route (``api_for_path`` gives this path OpenAI's) ----
 def _failure(error: dict[str, Any]) -> dict[str, Any]:
     """A failed response's ``error``: the gateway's error body as its ``code`` and ``message``."""
     body = openai_error_json(error)

@@ -21,7 +21,6 @@ from fastapi.responses import StreamingResponse
 
 from gateway import openapi as doc
 from gateway.chat import anthropic, openai, responses
-from gateway.chat.api import error_status
 from gateway.chat.messages import ChatRequest
 from gateway.chat.service import ChatService, ChatStream
 from gateway.errors import ChatNotConfigured, GatewayError
@@ -102,14 +101,11 @@ async def anthropic_count_tokens(session_id: str, request: Request, state: State
     """The prompt a turn with these messages would give the model, in tokens: the template's rendering, tokenized,
     after the session's own tokens when the messages extend its record (nothing changes)."""
     raw = await request.body()
-    try:
-        service = _service(state)
-        chat = await state.run_cpu(
-            len(raw), lambda: anthropic.parse_count_request(raw, service.hosted), threshold=PARSE_OFFLOAD_BYTES
-        )
-        tokens = await service.count_tokens(state, session_id, chat)
-    except GatewayError as exc:
-        return _error(state, anthropic, exc)
+    service = _service(state)
+    chat = await state.run_cpu(
+        len(raw), lambda: anthropic.parse_count_request(raw, service.hosted), threshold=PARSE_OFFLOAD_BYTES
+    )
+    tokens = await service.count_tokens(state, session_id, chat)
     return json_response(anthropic.count_json(tokens))
 
 
@@ -126,30 +122,21 @@ async def session_base(session_id: str, state: StateDep) -> Response:
 
 
 async def _chat(session_id: str, request: Request, state: GatewayState, api: ModuleType) -> Response:
-    """One chat request in ``api``'s format (a module with ``parse_request``, ``answer_json``, ``stream_writer`` and
-    ``error_body``)."""
+    """One chat request in ``api``'s format (a module with ``parse_request``, ``answer_json`` and
+    ``stream_writer``). A ``GatewayError`` raised before an answer or a stream starts is left to the app's handler,
+    which answers it in the shape of the API the path belongs to (``api_error_body``)."""
     raw = await request.body()
-    try:
-        service = _service(state)
-        chat: ChatRequest = await state.run_cpu(
-            len(raw), lambda: api.parse_request(raw, service.hosted), threshold=PARSE_OFFLOAD_BYTES
-        )
-        model = chat.model or Path(service.template.name).name
-        if not chat.stream:
-            result = await service.run(state, session_id, chat)
-            return json_response(api.answer_json(result, model))
-        stream = await service.open_stream(state, session_id, chat)
-    except GatewayError as exc:
-        return _error(state, api, exc)
+    service = _service(state)
+    chat: ChatRequest = await state.run_cpu(
+        len(raw), lambda: api.parse_request(raw, service.hosted), threshold=PARSE_OFFLOAD_BYTES
+    )
+    model = chat.model or Path(service.template.name).name
+    if not chat.stream:
+        result = await service.run(state, session_id, chat)
+        return json_response(api.answer_json(result, model))
+    stream = await service.open_stream(state, session_id, chat)
     writer = api.stream_writer(stream.request, model)
     return StreamingResponse(_events(stream, writer), media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-def _error(state: GatewayState, api: ModuleType, exc: GatewayError) -> Response:
-    state.metrics.record_error(exc)
-    response = json_response(api.error_body(exc), status_code=error_status(exc))
-    response.headers.update(exc.response_headers())
-    return response
 
 
 def api_for_path(path: str) -> ModuleType | None:
@@ -161,7 +148,8 @@ def api_for_path(path: str) -> ModuleType | None:
 
 
 def api_error_body(path: str, exc: GatewayError) -> dict | None:
-    """``exc`` in the shape of the chat API ``path`` belongs to, or None outside the chat prefixes."""
+    """``exc`` in the shape of the chat API ``path`` belongs to (its status: ``error_status``), or None outside the
+    chat prefixes."""
     api = api_for_path(path)
     return None if api is None else api.error_body(exc)
 
