@@ -192,26 +192,28 @@ def _parse_step(chunk: bytes) -> np.ndarray | None:
 def _opens_top_level_value(raw: bytes, start: int, field: str) -> bool:
     """Whether the value starting at ``start`` is the top-level key ``field``'s: the body up to there, closed with
     a string nobody could have sent, parses as an object whose ``field`` is that string."""
-    marker = f"gateway-cut-{uuid.uuid4().hex}"
-    try:
-        head = orjson.loads(raw[:start] + orjson.dumps(marker) + b"}")
-    except orjson.JSONDecodeError:
-        return False
-    return isinstance(head, dict) and head.get(field) == marker
+    return _holds_marker(raw[:start], b"}", field) is True
 
 
 def _place_of(raw: bytes, start: int, end: int, field: str) -> _Place:
     """The span is replaced by a string nobody could have sent and the (small) rest is parsed: the body up to
     ``start`` and from ``end`` is unchanged, so if the marker lands as ``field``'s value, so did the array in the
     body; if another value does, the key appears again later, and that later value is the one that counts."""
+    holds = _holds_marker(raw[:start], raw[end:], field)
+    if holds is None:
+        return _Place.UNKNOWN
+    return _Place.FIELD_VALUE if holds else _Place.OVERRIDDEN
+
+
+def _holds_marker(head: bytes, tail: bytes, field: str) -> bool | None:
+    """Whether ``head`` + a string nobody could have sent + ``tail`` is an object whose ``field`` is that string
+    (None: not a JSON object)."""
     marker = f"gateway-cut-{uuid.uuid4().hex}"
     try:
-        rest = orjson.loads(raw[:start] + orjson.dumps(marker) + raw[end:])
+        body = orjson.loads(head + orjson.dumps(marker) + tail)
     except orjson.JSONDecodeError:
-        return _Place.UNKNOWN
-    if not isinstance(rest, dict):
-        return _Place.UNKNOWN
-    return _Place.FIELD_VALUE if rest.get(field) == marker else _Place.OVERRIDDEN
+        return None
+    return body.get(field) == marker if isinstance(body, dict) else None
 
 
 def _with_stand_in(raw: bytes, start: int, end: int) -> bytes:

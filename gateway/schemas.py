@@ -227,7 +227,7 @@ class TurnCreate(_Body):
         return self
 
 
-def _unary_and_unsynced(schema: dict[str, Any]) -> None:
+def _unary_unsynced_schema(schema: dict[str, Any]) -> None:
     schema["properties"]["stream"] = {"type": "boolean", "const": False, "default": False}
     schema["properties"]["sync"] = {"type": "null", "default": None}
 
@@ -235,7 +235,7 @@ def _unary_and_unsynced(schema: dict[str, Any]) -> None:
 class FirstTurn(TurnCreate):
     """``POST /v1/sessions`` with ``generate``: the session and its first turn in one round trip."""
 
-    model_config = ConfigDict(json_schema_extra=_unary_and_unsynced)
+    model_config = ConfigDict(json_schema_extra=_unary_unsynced_schema)
 
     @model_validator(mode="after")
     def _unary_and_unsynced(self) -> FirstTurn:
