@@ -243,14 +243,9 @@ RESPONSE = {
 }
 
 
-def struct_request(model: type[msgspec.Struct], *, required: bool = True) -> dict[str, Any]:
-    """``openapi_extra`` for a chat route that validates its JSON body with the msgspec struct ``model``."""
-    return {"requestBody": {"required": required, "content": {JSON: {"schema": struct_ref(model)}}}}
-
-
-def json_request(model: type[BaseModel], *, required: bool) -> dict[str, Any]:
-    """``openapi_extra`` for a route that validates its JSON body with ``model`` (read as JSON whatever its
-    Content-Type; an empty body is ``{}`` unless ``required``)."""
+def json_request(model: type[BaseModel] | type[msgspec.Struct], *, required: bool = True) -> dict[str, Any]:
+    """``openapi_extra`` for a route that validates its JSON body with ``model``, a pydantic model or (the chat
+    routes) a msgspec struct (read as JSON whatever its Content-Type; an empty body is ``{}`` unless ``required``)."""
     return {"requestBody": {"required": required, "content": {JSON: {"schema": ref(model)}}}}
 
 
@@ -301,8 +296,9 @@ def session_links() -> dict[str, Any]:
     return links
 
 
-def ref(model: type[BaseModel]) -> dict[str, Any]:
-    """A reference to ``model``'s schema, which the document's ``components`` will hold."""
+def ref(model: type[BaseModel] | type[msgspec.Struct]) -> dict[str, Any]:
+    """A reference to ``model``'s schema (a pydantic model's, or a msgspec struct's under the name msgspec gives
+    it: ``_schemas_of``), which the document's ``components`` will hold."""
     return component(model.__module__ + ":" + model.__qualname__, model.__name__)
 
 
@@ -416,11 +412,6 @@ def _schemas_of(name: str, target: Any) -> dict[str, Any]:
         return components
     schema = target.model_json_schema(ref_template=_SCHEMAS_PREFIX + "{model}")
     return {**schema.pop("$defs", {}), name: schema}
-
-
-def struct_ref(model: type[msgspec.Struct]) -> dict[str, Any]:
-    """A reference to a msgspec struct's schema (``_schemas_of``), under the name msgspec gives it."""
-    return component(model.__module__ + ":" + model.__qualname__, model.__name__)
 
 
 def _errors_in_our_schema(operation: dict[str, Any]) -> None:

@@ -48,7 +48,7 @@ def _answers(description: str, answer: dict[str, Any]) -> dict[int | str, dict[s
 @router.post(
     "/chat/completions",
     operation_id="chat_completions",
-    openapi_extra=doc.struct_request(openai.ChatCompletionRequest),
+    openapi_extra=doc.json_request(openai.ChatCompletionRequest),
     responses=_answers(
         "the completion (OpenAI Chat Completions); with `stream`, its chunks",
         doc.component("gateway.openapi:CHAT_COMPLETION", "ChatCompletion"),
@@ -61,7 +61,7 @@ async def chat_completions(session_id: str, request: Request, state: StateDep) -
 @router.post(
     "/responses",
     operation_id="responses",
-    openapi_extra=doc.struct_request(responses.ResponsesRequestDoc),
+    openapi_extra=doc.json_request(responses.ResponsesRequestDoc),
     responses=_answers(
         "the response (OpenAI Responses); with `stream`, its events",
         doc.component("gateway.openapi:RESPONSE", "Response"),
@@ -74,7 +74,7 @@ async def openai_responses(session_id: str, request: Request, state: StateDep) -
 @router.post(
     "/v1/messages",
     operation_id="anthropic_messages",
-    openapi_extra=doc.struct_request(anthropic.MessagesRequest),
+    openapi_extra=doc.json_request(anthropic.MessagesRequest),
     responses=_answers(
         "the message (Anthropic Messages); with `stream`, its events",
         doc.component("gateway.openapi:ANTHROPIC_MESSAGE", "AnthropicMessage"),
@@ -87,7 +87,7 @@ async def anthropic_messages(session_id: str, request: Request, state: StateDep)
 @router.post(
     "/v1/messages/count_tokens",
     operation_id="anthropic_count_tokens",
-    openapi_extra=doc.struct_request(anthropic.CountTokensRequest),
+    openapi_extra=doc.json_request(anthropic.CountTokensRequest),
     responses={
         **doc.answers(
             200,
