@@ -1,0 +1,208 @@
+"""A turn is acknowledged only once it is durable, and "nothing was written" is said only when nothing was.
+
+Real processes: a redis-server (or a Redis Cluster) of each test's own that the test kills, pauses and starts
+again, gateway processes on it, a simulator pacing its tokens so that a fault lands in the middle of a turn.
+
+- A streamed turn whose store write fails sends nothing of the answer that commits it (the stop reason, the tool
+  calls, ``message_stop``, ``response.completed``, the token stream's ``turn`` event): the stream ends with the
+  API's error, and the session holds what it held before.
+- On a Redis Cluster the session index (one key, on one master) is not part of a turn's commit: a turn whose index
+  update fails is still answered as the success it is, and creates do not depend on that master.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from chat_checks import CALL_TEXT, WEATHER_TOOL, script
+from conftest import Service, run_gateway, run_simulator
+from fleet import AOF, redis_cluster, redis_node
+
+from gateway.redis_store import Keys
+
+PROMPT = list(range(10, 30))
+WEATHER_ANTHROPIC = {
+    "name": "get_weather",
+    "description": WEATHER_TOOL["function"]["description"],
+    "input_schema": WEATHER_TOOL["function"]["parameters"],
+}
+WEATHER_RESPONSES = {"type": "function", **WEATHER_TOOL["function"]}
+
+
+@pytest.fixture(scope="module")
+def paced_sim(tokenizer_dir: Path) -> Iterator[Service]:
+    """A simulator speaking the tiny tokenizer whose tokens come 60 ms apart: a turn lasts a second or two, long
+    enough to stop Redis between its first answer byte and its write."""
+    with run_simulator("--tokenizer", str(tokenizer_dir), "--token-delay-ms", "60") as service:
+        yield service
+
+
+def store_env(url: str) -> dict[str, str]:
+    return {"GATEWAY_STORE": url, "GATEWAY_REDIS_PREFIX": f"ack-{uuid.uuid4().hex[:6]}", "GATEWAY_REDIS_LEASE_S": "3"}
+
+
+def create(gateway: Service, **body: Any) -> str:
+    sid = f"ack-{uuid.uuid4().hex[:10]}"
+    response = httpx.post(f"{gateway.url}/v1/sessions", json={"session_id": sid, **body}, timeout=30)
+    assert response.status_code == 201, response.text
+    return sid
+
+
+# Each API's streamed request, and the bytes that would say the turn is done (none may come before the write).
+STREAMS: dict[str, tuple[str, dict[str, Any], tuple[bytes, ...]]] = {
+    "openai": (
+        "chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Weather?"}],
+            "stream": True,
+            "tools": [WEATHER_TOOL],
+        },
+        (b'"finish_reason":"', b'"tool_calls"'),
+    ),
+    "anthropic": (
+        "v1/messages",
+        {
+            "model": "tiny",
+            "max_tokens": 256,
+            "messages": [{"role": "user", "content": "Weather?"}],
+            "stream": True,
+            "tools": [WEATHER_ANTHROPIC],
+        },
+        (b"event: message_delta", b"event: message_stop", b'"stop_reason":"', b'"type":"tool_use"'),
+    ),
+    "responses": (
+        "responses",
+        {"model": "tiny", "input": "Weather?", "stream": True, "tools": [WEATHER_RESPONSES]},
+        (b"response.completed", b"response.incomplete", b'"type":"function_call"'),
+    ),
+}
+ERRORS = {"openai": b'data: {"error":', "anthropic": b"event: error", "responses": b"response.failed"}
+
+
+def stream_killing_redis(url: str, body: dict[str, Any], kill: Any) -> bytes:
+    """POST a streamed request; at its first answer byte after the head, ``kill()``; every byte received."""
+    received = b""
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for piece in response.iter_raw():
+            if not received:
+                kill()
+            received += piece
+    return received
+
+
+@pytest.mark.parametrize("api", list(STREAMS))
+def test_a_streamed_chat_turn_whose_write_fails_sends_no_stop(
+    paced_sim: Service, tokenizer_dir: Path, tmp_path: Path, api: str
+) -> None:
+    path, body, committing = STREAMS[api]
+    with (
+        redis_node(tmp_path / "redis", *AOF) as node,
+        run_gateway(paced_sim.url, "--tokenizer", str(tokenizer_dir), env=store_env(node.url)) as gateway,
+    ):
+        sid = create(gateway)
+        script(paced_sim, sid, CALL_TEXT)
+        before = httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).json()
+        received = stream_killing_redis(f"{gateway.url}/v1/sessions/{sid}/{path}", body, node.kill)
+        node.start()  # with every write it acknowledged (appendfsync always)
+        assert ERRORS[api] in received, received[-2000:]
+        for marker in committing:
+            assert marker not in received, f"{marker!r} was sent for a turn that was not kept: {received[-2000:]!r}"
+        after = httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).json()
+        assert (after["turns"], after["total_tokens"]) == (before["turns"], before["total_tokens"])
+
+
+def test_a_streamed_token_turn_whose_write_fails_ends_with_an_error_event(paced_sim: Service, tmp_path: Path) -> None:
+    """The token-level stream: deltas, then ``error`` with no ``turn`` (nothing kept), never a ``turn`` event."""
+    with redis_node(tmp_path / "redis", *AOF) as node, run_gateway(paced_sim.url, env=store_env(node.url)) as gateway:
+        sid = create(gateway, prompt_ids=PROMPT)
+        body = {"stream": True, "sampling_params": {"max_new_tokens": 16}}
+        received = stream_killing_redis(f"{gateway.url}/v1/sessions/{sid}/generate", body, node.kill)
+        node.start()
+        assert b'"type":"error"' in received and b'"type":"turn"' not in received, received[-1000:]
+        assert b'"store_unavailable"' in received and b'"turn":null' in received
+        after = httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).json()
+        assert (after["turns"], after["total_tokens"]) == (0, len(PROMPT))
+
+
+# ---- the session index on a Redis Cluster -------------------------------------------------------------------------
+def session_on_another_master(cluster: Any, keys: Keys, avoid: int) -> str:
+    """A session id whose keys live on another master than the node on port ``avoid``."""
+    with cluster.client() as client:
+        while True:
+            sid = f"idx-{uuid.uuid4().hex[:10]}"
+            if int(client.get_node_from_key(keys.session(sid)).port) != avoid:
+                return sid
+
+
+def test_on_a_cluster_a_turn_is_answered_as_written_when_the_index_master_is_down(
+    simulator: Service, tmp_path: Path
+) -> None:
+    """The index (``PREFIX:index``, one key on one master) is down: a turn on a session of a healthy master is
+    committed, so it is answered 200 (the index catches up later), not 503 "nothing was written"; a session can
+    still be created there; once the index's master is back the new session is listed."""
+    env = store_env("")
+    keys = Keys(env["GATEWAY_REDIS_PREFIX"])
+    with redis_cluster(tmp_path / "cluster", replicas=0) as cluster:
+        env["GATEWAY_STORE"] = cluster.url
+        index_node = cluster.master_of(keys.index)
+        sid = session_on_another_master(cluster, keys, index_node.port)
+        with run_gateway(simulator.url, env=env) as first, run_gateway(simulator.url, env=env) as second:
+            created = httpx.post(f"{first.url}/v1/sessions", json={"session_id": sid, "prompt_ids": PROMPT}, timeout=30)
+            assert created.status_code == 201, created.text
+            index_node.kill()
+            # The second replica's first write of the session (its index score goes with it).
+            turn = httpx.post(f"{second.url}/v1/sessions/{sid}/generate", json={}, timeout=30)
+            held = httpx.get(f"{second.url}/v1/sessions/{sid}", timeout=30).json()
+            assert held["turns"] == 1  # it was committed ...
+            assert turn.status_code == 200, turn.text  # ... so it is answered as such
+            other = session_on_another_master(cluster, keys, index_node.port)
+            made = httpx.post(f"{first.url}/v1/sessions", json={"session_id": other, "prompt_ids": PROMPT}, timeout=30)
+            assert made.status_code == 201, made.text
+            index_node.start()
+            cluster.wait_until_ok()
+            deadline = time.monotonic() + 60
+            while True:  # repaired in the background
+                try:
+                    listed = httpx.get(f"{first.url}/v1/sessions", timeout=30)
+                except httpx.HTTPError:
+                    listed = None
+                if listed is not None and listed.status_code == 200:
+                    ids = {s["session_id"] for s in listed.json()["sessions"]}
+                    if {sid, other} <= ids:
+                        break
+                assert time.monotonic() < deadline, "the index never listed the sessions made while it was down"
+                time.sleep(0.2)
+
+
+def test_index_master_down_deletes_still_delete(simulator: Service, tmp_path: Path) -> None:
+    """A delete whose index update fails deleted the session: it answers so (not 503), and the index forgets it
+    once its master is back."""
+    env = store_env("")
+    keys = Keys(env["GATEWAY_REDIS_PREFIX"])
+    with redis_cluster(tmp_path / "cluster", replicas=0) as cluster:
+        env["GATEWAY_STORE"] = cluster.url
+        index_node = cluster.master_of(keys.index)
+        sid = session_on_another_master(cluster, keys, index_node.port)
+        with run_gateway(simulator.url, env=env) as gateway:
+            created = httpx.post(f"{gateway.url}/v1/sessions", json={"session_id": sid, "prompt_ids": PROMPT})
+            assert created.status_code == 201, created.text
+            index_node.kill()
+            deleted = httpx.delete(f"{gateway.url}/v1/sessions/{sid}", timeout=30)
+            assert deleted.status_code == 204, deleted.text
+            assert httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).status_code == 404
+            index_node.start()
+            cluster.wait_until_ok()
+            deadline = time.monotonic() + 60
+            with redis.RedisCluster(host="127.0.0.1", port=index_node.port) as client:
+                while client.zscore(keys.index, sid) is not None:
+                    assert time.monotonic() < deadline, "the index kept a deleted session"
+                    time.sleep(0.2)
