@@ -131,6 +131,9 @@ def make_store(settings: Settings, max_stored_bytes: int | None, instance_id: st
         idle_ttl_s=settings.session_idle_ttl_s,
         max_session_tokens=settings.max_session_tokens,
         max_stored_bytes=max_stored_bytes,
+        heartbeat_s=settings.redis_heartbeat_s,
+        wait_replicas=settings.redis_wait_replicas,
+        wait_timeout_ms=settings.redis_wait_timeout_ms,
     )
 
 

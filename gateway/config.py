@@ -59,6 +59,13 @@ class Settings(BaseSettings):
         "(tokens so far folded in). Keep it under the orchestrator's kill timeout (docker stop: 10 s)",
     )
     keep_alive_s: float = Field(75.0, gt=0, description="idle client connections are kept open this long")
+    drain_s: float = Field(
+        0.0,
+        ge=0,
+        description="on SIGTERM, first drain for this long: GET /health answers 503 (status draining) so that a load "
+        "balancer's health checks take this replica out, while every request it still gets is served; then the "
+        "shutdown of shutdown_grace_s. Set it above the balancer's detection time (HAProxy: inter x fall)",
+    )
     max_request_bytes: int = Field(
         32 * 1024 * 1024,
         ge=1024,
@@ -117,6 +124,24 @@ class Settings(BaseSettings):
         gt=0,
         description="with the Redis store: how long a turn's hold on a session outlives a replica that died "
         "holding it (renewed while the turn runs)",
+    )
+    redis_heartbeat_s: float = Field(
+        1.0,
+        ge=0,
+        description="with the Redis store: each replica renews a heartbeat key this often (it lasts 3 beats); a hold "
+        "left by a replica whose heartbeat ran out (killed, its host gone) is taken over at once instead of after "
+        "redis_lease_s. 0: no heartbeat (a dead replica's holds run out after redis_lease_s)",
+    )
+    redis_wait_replicas: int = Field(
+        0,
+        ge=0,
+        description="with the Redis store: a turn (or create) is acknowledged only once this many replicas of its "
+        "Redis node have its write (WAIT), so that a failover loses no acknowledged turn; a write they do not confirm "
+        "within redis_wait_timeout_ms is answered 503 store_unavailable (reason unconfirmed). 0: acknowledged once "
+        "the node has it (a failover of a node without AOF may lose its last writes)",
+    )
+    redis_wait_timeout_ms: int = Field(
+        1000, ge=1, description="with redis_wait_replicas: how long a write waits for its replicas to confirm it"
     )
     redis_prefix: str = Field(
         "slime-gateway",

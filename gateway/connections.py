@@ -339,8 +339,9 @@ def raw_error_response(error: GatewayError) -> bytes:
     """A whole HTTP/1.1 response carrying ``error``'s JSON body, for refusals made below the ASGI app."""
     body = orjson.dumps(error.to_body())
     phrase = http.HTTPStatus(error.status_code).phrase
+    extra = "".join(f"{name}: {value}\r\n" for name, value in error.response_headers().items())
     head = (
-        f"HTTP/1.1 {error.status_code} {phrase}\r\ncontent-type: application/json\r\n"
+        f"HTTP/1.1 {error.status_code} {phrase}\r\ncontent-type: application/json\r\n{extra}"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     )
     return head.encode() + body

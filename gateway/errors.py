@@ -124,8 +124,22 @@ class SessionExists(SessionConflict):
     error_type = "session_exists"
 
 
+# When a client may send a request refused for a passing reason again: ``Retry-After`` (RFC 9110 section 10.2.3),
+# which agent harnesses honour, and ``x-should-retry``, which the OpenAI and Anthropic SDKs read before their own rules.
+RETRY_AFTER_S = 1
+
+
+def retry_headers(seconds: int = RETRY_AFTER_S) -> dict[str, str]:
+    return {"retry-after": str(seconds), "x-should-retry": "true"}
+
+
 class SessionBusy(SessionConflict):
+    """Another turn holds the session (on this replica or another): nothing ran, send it again in a moment."""
+
     error_type = "session_busy"
+
+    def response_headers(self) -> dict[str, str]:
+        return retry_headers()
 
 
 class SessionMismatch(SessionConflict):
@@ -144,10 +158,17 @@ class HistoryMismatch(SessionConflict):
 
 class StoreUnavailable(GatewayError):
     """The shared session store (Redis) did not answer, or refused: nothing was written (a turn's fold is written in
-    one transaction, or not at all). Safe to retry once the store is back."""
+    one transaction, or not at all). Safe to retry once the store is back. One exception, ``reason`` ``unconfirmed``
+    (``GATEWAY_REDIS_WAIT_REPLICAS``): written, but not confirmed by the replicas asked for, so it may or may not
+    survive a failover; a retry is safe only with ``sync``."""
 
     status_code = 503
     error_type = "store_unavailable"
+
+    def response_headers(self) -> dict[str, str]:
+        if self.details.get("reason") == "unconfirmed":
+            return {"x-should-retry": "false"}
+        return retry_headers()
 
 
 class NotFound(GatewayError):
@@ -198,6 +219,9 @@ class TooManyConnections(LimitExceeded):
     status_code = 503
     error_type = "too_many_connections"
 
+    def response_headers(self) -> dict[str, str]:
+        return retry_headers()
+
 
 class HeaderTimeout(LimitExceeded):
     status_code = 408
@@ -239,6 +263,9 @@ class UpstreamConnectionLost(UpstreamError):
 class UpstreamUnavailable(UpstreamError):
     status_code = 503
     error_type = "upstream_unavailable"
+
+    def response_headers(self) -> dict[str, str]:
+        return retry_headers()
 
 
 class UpstreamTimeout(UpstreamError):

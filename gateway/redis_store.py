@@ -41,7 +41,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,7 @@ log = logging.getLogger("gateway.redis_store")
 
 Client = aioredis.Redis | RedisCluster
 Staged = Sequence[tuple[str, memoryview]]
+Wait = tuple[int, int]  # replicas, timeout (ms)
 
 # The sample's arrays: attribute -> dtype (None: stored with the sample, routing's narrowest unsigned type).
 ARRAYS: dict[str, type | None] = {
@@ -75,6 +76,7 @@ ARRAYS: dict[str, type | None] = {
     "routed_experts": None,
 }
 SMALL_PARTS = ("meta", "turns", "text")  # a sample's keys besides its arrays' chunks
+_NOT_PENDING = object()
 SOCKET_TIMEOUT_S = 5.0
 # A script that runs later than this after its command was sent does nothing: its request gives up at
 # SOCKET_TIMEOUT_S, and the second between leaves room for the answer to arrive before that.
@@ -87,6 +89,12 @@ READ_ATTEMPTS = 3  # a whole-session read, or a delete, retried while writes lan
 STAGE_BYTES = 64 * 1024
 CHUNK_BYTES = 1024 * 1024
 STAGE_TTL_MS = 60_000  # a staging key whose write never ran (its answer lost, the replica killed) goes by itself
+# How long a create (or a write that refreshes the index) waits for its index update, which is not part of its commit,
+# before it answers anyway: the update goes on in the background, and is repaired if it fails.
+INDEX_WAIT_S = 1.0
+# A lease whose value ends so belongs to a replica that heartbeats; its heartbeat lasts this many beats.
+HEARTBEAT_MARK = ":h"
+HEARTBEAT_MISSES = 3
 
 # "#!lua": Redis 7's script flags, none given: a script that may write is refused whole when Redis is out of memory
 # (never half run), and on a cluster it may touch only the keys it declares (one slot).
@@ -100,8 +108,9 @@ end
 """
 
 # KEYS: the session's hash, its lease. ARGV: the lease value, its time to live (ms), the deadline (ms on Redis's
-# clock, 0: none). Answers {'ok', incarnation, stamp}, {'busy', holder}, {'missing'} or {'late'}. Run twice (a
-# resend after a lost answer), it answers 'ok' again: the lease holds its own value.
+# clock, 0: none), the lease value of a holder found dead that this lease replaces ('': none). Answers {'ok',
+# incarnation, stamp}, {'busy', holder}, {'missing'} or {'late'}. Run twice (a resend after a lost answer), it answers
+# 'ok' again: the lease holds its own value.
 _ACQUIRE = (
     _NOW_MS
     + """
@@ -109,7 +118,7 @@ if past(ARGV[3]) then return {'late'} end
 local found = redis.call('HMGET', KEYS[1], 'incarnation', 'stamp')
 if not found[2] then return {'missing'} end
 local holder = redis.call('GET', KEYS[2])
-if holder and holder ~= ARGV[1] then return {'busy', holder} end
+if holder and holder ~= ARGV[1] and holder ~= ARGV[4] then return {'busy', holder} end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 return {'ok', found[1] or '', found[2]}
 """
@@ -176,14 +185,15 @@ return 'ok'
 )
 
 # KEYS[1]: the session's hash, KEYS[2]: its lease, KEYS[3..]: its other keys, as listed at stamp ARGV[1]. ARGV[2]:
-# delete only if idle since then (its updated_at, seconds; '': whatever it is). Answers {'ok'}, {'missing'},
-# {'changed'} (written since it was listed: list again), {'busy', holder} or {'fresh', updated_at}.
+# delete only if idle since then (its updated_at, seconds; '': whatever it is); ARGV[3]: the lease of a holder found
+# dead, which does not keep the session ('': none). Answers {'ok'}, {'missing'}, {'changed'} (written since it was
+# listed: list again), {'busy', holder} or {'fresh', updated_at}.
 _DELETE = """#!lua
 local found = redis.call('HMGET', KEYS[1], 'stamp', 'updated_at')
 if not found[1] then return {'missing'} end
 if found[1] ~= ARGV[1] then return {'changed'} end
 local holder = redis.call('GET', KEYS[2])
-if holder then return {'busy', holder} end
+if holder and holder ~= ARGV[3] then return {'busy', holder} end
 if ARGV[2] ~= '' and tonumber(found[2]) >= tonumber(ARGV[2]) then return {'fresh', found[2]} end
 for _, key in ipairs(KEYS) do redis.call('DEL', key) end
 return {'ok'}
@@ -205,23 +215,34 @@ class Script:
         self.text = text
         self.sha = hashlib.sha1(text.encode()).hexdigest()
 
-    async def __call__(self, client: Client, keys: list[str], args: list[Any], staged: Staged = ()) -> Any:
+    async def __call__(
+        self, client: Client, keys: list[str], args: list[Any], staged: Staged = (), wait: Wait | None = None
+    ) -> Any:
         """Its answer; ``staged`` (key, bytes) pairs are SET (with a TTL of STAGE_TTL_MS) in the same round trip,
-        before it."""
+        before it. ``wait`` (replicas, timeout in ms): then ``WAIT`` for that many replicas to have the script's
+        writes, on the same connection, and the answer is (the script's answer, how many replicas confirmed)."""
         try:
-            return await self._run(client, "EVALSHA", self.sha, keys, args, staged)
+            return await self._run(client, "EVALSHA", self.sha, keys, args, staged, wait)
         except NoScriptError:
-            return await self._run(client, "EVAL", self.text, keys, args, staged)
+            return await self._run(client, "EVAL", self.text, keys, args, staged, wait)
 
     @staticmethod
-    async def _run(client: Client, command: str, script: str, keys: list[str], args: list[Any], staged: Staged) -> Any:
-        if not staged:
+    async def _run(
+        client: Client, command: str, script: str, keys: list[str], args: list[Any], staged: Staged, wait: Wait | None
+    ) -> Any:
+        if not staged and wait is None:
             return await client.execute_command(command, script, len(keys), *keys, *args)
         async with client.pipeline(transaction=False) as pipe:
             for key, payload in staged:
                 pipe.set(key, payload, px=STAGE_TTL_MS)
             pipe.execute_command(command, script, len(keys), *keys, *args)  # (a cluster pipeline has no .evalsha)
-            return (await pipe.execute())[-1]
+            if wait is not None:
+                # WAIT counts the replicas that have this connection's writes: it must go on the script's connection,
+                # which a pipeline's commands for one node share (on a cluster: sent to the node of the keys' slot).
+                where = {"target_nodes": client.get_node_from_key(keys[0])} if isinstance(client, RedisCluster) else {}
+                pipe.execute_command("WAIT", wait[0], wait[1], **where)
+            answers = await pipe.execute()
+        return answers[-1] if wait is None else (answers[-2], int(answers[-1]))
 
 
 class Keys:
@@ -238,6 +259,10 @@ class Keys:
     def session(self, session_id: str) -> str:
         tag = session_id.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
         return f"{self.prefix}:s:{{{tag}}}"
+
+    def instance(self, instance_id: str) -> str:
+        """A gateway replica's heartbeat (``RedisSessionStore._heartbeats``)."""
+        return f"{self.prefix}:instance:{instance_id}"
 
     @staticmethod
     def lease(session_key: str) -> str:
@@ -294,11 +319,18 @@ class RedisSessionStore(SessionStore):
         idle_ttl_s: float = 0.0,
         max_session_tokens: int | None = None,
         max_stored_bytes: int | None = None,
+        heartbeat_s: float = 0.0,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
     ) -> None:
         super().__init__(max_sessions, max_session_tokens=max_session_tokens, max_stored_bytes=None)
         self._url = url
         self._keys = Keys(prefix)
         self._lease_ms = int(lease_s * 1000)
+        # This replica says it is alive every heartbeat_s (its instance key, HEARTBEAT_MISSES beats long): a lease of a
+        # replica whose key is gone is taken over at once rather than waited out (0: no heartbeat, leases run out).
+        self._heartbeat_s = heartbeat_s
+        self._wait: Wait | None = (wait_replicas, wait_timeout_ms) if wait_replicas else None
         self._instance = instance_id
         self._cache_bytes = max_stored_bytes
         # Redis drops a session's keys by itself once it is idle this long (0: never), even with no gateway left to
@@ -310,9 +342,12 @@ class RedisSessionStore(SessionStore):
         self._holds: dict[str, int] = {}  # session id -> turns running here under that lease (one per branch)
         self._cached: dict[str, tuple[str, str]] = {}  # session id -> (incarnation, stamp) of the local copy
         self._written: dict[str, dict[str, bytes]] = {}  # session id -> its hash's small fields, as Redis has them
+        # session id -> the index update that failed and waits for its repair: a score to add, or None (remove)
+        self._index_pending: dict[str, float | None] = {}
         self._clock_offset_s: float | None = None  # Redis's clock less ours (the latest of a cluster's primaries)
         self._count = 0
         self._renewer: asyncio.Task[None] | None = None
+        self._heart: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
         self._scripts = [Script(text) for text in (_ACQUIRE, _WRITE, _DELETE, _UNLOCK, _RENEW)]
         self._acquire_script, self._write_script, self._delete_script, self._unlock_script, self._renew_script = (
@@ -332,15 +367,20 @@ class RedisSessionStore(SessionStore):
         except StoreUnavailable as exc:  # serve anyway: requests get 503s until Redis is back
             log.error("session store: Redis %s unreachable at start: %s", self._safe_url, exc.message)
         self._renewer = asyncio.create_task(self._renew_leases(), name="redis-leases")
+        if self._heartbeat_s:
+            self._heart = asyncio.create_task(self._heartbeats(), name="redis-heartbeat")
 
     async def aclose(self) -> None:
-        for task in (self._renewer, *self._cleanups):
+        for task in (self._renewer, self._heart, *self._cleanups):
             if task is not None:
                 task.cancel()
         for session_id, value in list(self._leases.items()):
             with contextlib.suppress(RedisError, RedisClusterException, OSError):
                 await self._unlock(session_id, value)
         if self._redis is not None:
+            if self._heartbeat_s:  # gone now: its leases are let go above, nothing waits for its key to run out
+                with contextlib.suppress(RedisError, RedisClusterException, OSError):
+                    await self._redis.delete(self._keys.instance(self._instance))
             await self._redis.aclose()
 
     @property
@@ -365,7 +405,10 @@ class RedisSessionStore(SessionStore):
             raise StoreUnavailable(f"{what}: the Redis session store failed: {exc}", reason="redis") from exc
 
     def _token(self) -> str:
-        return f"{self._instance}:{secrets.token_hex(8)}"
+        """A lease's value: the instance, a random part, and (``HEARTBEAT_MARK``) whether the instance heartbeats,
+        so that only such a lease is ever taken over (a replica of a version without heartbeats never is)."""
+        mark = HEARTBEAT_MARK if self._heartbeat_s else ""
+        return f"{self._instance}:{secrets.token_hex(8)}{mark}"
 
     def _deadline_ms(self) -> int:
         """When a command sent now must have run by, on Redis's clock (0: no fence until the clock is measured)."""
@@ -384,8 +427,10 @@ class RedisSessionStore(SessionStore):
     ) -> Session:
         session = self._new_session(sample, session_id, metadata, sampling_defaults)
         sid = session.session_id
+        # Against the count as last seen (refreshed with the leases): a create depends on its own session's node
+        # only, never on the index's.
+        self._check_session_count(self._count)
         with self._errors("create"):
-            self._check_session_count(await self.redis.zcard(self._keys.index))
             answer = await self._write(session, lease="", incarnation=secrets.token_hex(8), base="")
         if answer == "exists":
             raise SessionExists(f"session {sid!r} already exists", session_id=sid)
@@ -462,9 +507,11 @@ class RedisSessionStore(SessionStore):
         value = self._token()
         try:
             with self._errors("hold"):
-                answer = await self._acquire_script(
-                    self.redis, [key, Keys.lease(key)], [value, self._lease_ms, self._deadline_ms()]
-                )
+                answer = await self._acquire(key, value)
+                if answer[0] == b"busy" and await self._holder_is_dead(answer[1].decode()):
+                    answer = await self._acquire(key, value, replacing=answer[1].decode())
+                    if answer[0] == b"ok":
+                        log.info("session %s: took over the hold of a gateway that stopped", session_id)
         except StoreUnavailable:
             self._let_go(session_id, value)  # in case it ran and only its answer was lost
             raise
@@ -488,6 +535,22 @@ class RedisSessionStore(SessionStore):
         except BaseException:
             await self._put_back(session_id)
             raise
+
+    async def _acquire(self, key: str, value: str, replacing: str = "") -> Any:
+        args = [value, self._lease_ms, self._deadline_ms(), replacing]
+        return await self._acquire_script(self.redis, [key, Keys.lease(key)], args)
+
+    async def _holder_is_dead(self, holder: str) -> bool:
+        """Whether the replica holding a lease (its value ``holder``) stopped: it heartbeats (``HEARTBEAT_MARK``) and
+        its instance key ran out. Any doubt (its key's node unreachable) counts as alive: a lease is taken over only
+        on proof, and even then a replica that was only slow loses nothing (its write is refused, nothing written)."""
+        instance = holder.split(":")[0]
+        if not holder.endswith(HEARTBEAT_MARK) or instance == self._instance:
+            return False
+        try:
+            return not await self.redis.exists(self._keys.instance(instance))
+        except (RedisError, RedisClusterException, OSError):
+            return False
 
     async def _put_back(self, session_id: str) -> None:
         """Undo one ``_take_lease`` that no turn used: the last one lets the lease go (nothing to write)."""
@@ -595,9 +658,14 @@ class RedisSessionStore(SessionStore):
     def _let_go(self, session_id: str, value: str) -> None:
         """Let a lease go that a failed request may hold (its command ran, its answer never came), in the
         background until Redis answers: a lease nobody renews runs out by itself after the lease time."""
-        task = asyncio.create_task(self._unlock_until_answered(session_id, value), name="redis-let-go")
+        self._background(self._unlock_until_answered(session_id, value), "redis-let-go")
+
+    def _background(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """``work`` in a task of its own, cancelled with the store."""
+        task = asyncio.create_task(work, name=name)
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
+        return task
 
     async def _unlock_until_answered(self, session_id: str, value: str) -> None:
         give_up = time.monotonic() + self._lease_ms / 1000
@@ -624,6 +692,21 @@ class RedisSessionStore(SessionStore):
                 await self._refresh_count()
             except (RedisError, RedisClusterException, OSError, StoreUnavailable) as exc:
                 log.warning("session store: renewing holds failed: %s", exc)
+            if not self._heartbeat_s:
+                await self._repair_index()
+
+    async def _heartbeats(self) -> None:
+        """Every heartbeat_s: this replica's instance key, alive for HEARTBEAT_MISSES beats, and the index repairs."""
+        key = self._keys.instance(self._instance)
+        ttl_ms = int(self._heartbeat_s * HEARTBEAT_MISSES * 1000)
+        alive = orjson.dumps({"instance_id": self._instance, "started_at": time.time()})
+        while True:
+            try:
+                await self.redis.set(key, alive, px=ttl_ms)
+            except (RedisError, RedisClusterException, OSError, StoreUnavailable) as exc:
+                log.warning("session store: the heartbeat failed: %s", exc)
+            await self._repair_index()
+            await asyncio.sleep(self._heartbeat_s)
 
     async def _refresh_count(self) -> None:
         with self._errors("count"):
@@ -690,17 +773,24 @@ class RedisSessionStore(SessionStore):
                 keys.append(name)
                 where[name] = len(keys)
             args += (code, where[name], where[value] if code == "M" else value)
-        write = self._write_script(self.redis, keys, args, batch.staged)
-        # The index (another slot on a cluster) is kept beside the script, not in it: a create adds the session, and
-        # its score (the sweep's idea of when it was last used) is pushed forward now and then; the sweep checks the
-        # session's own time before it deletes.
-        if not base:
-            answer = await _together(write, self.redis.zadd(self._keys.index, {sid: session.updated_at}, nx=True))
-        elif refresh:
-            answer = await _together(write, self.redis.zadd(self._keys.index, {sid: session.updated_at}, xx=True))
-        else:
-            answer = await write
+        write = self._write_script(self.redis, keys, args, batch.staged, self._wait)
+        # The index (another slot on a cluster, so maybe another master) is kept beside the script, never part of
+        # its commit: a create adds the session, and its score (the sweep's idea of when it was last used) is pushed
+        # forward now and then. An index update that fails is retried in the background (``_repair_index``) and
+        # never fails the write, which has happened; the sweep checks the session's own time before it deletes.
+        index = self._index_soon(sid, session.updated_at) if not base or refresh else None
+        answer, confirmed = await write if self._wait is not None else (await write, None)
+        if index is not None:
+            await index
         answer = answer.decode() if isinstance(answer, bytes) else str(answer)
+        if self._wait is not None and answer == "ok" and confirmed is not None and confirmed < self._wait[0]:
+            # Written on its master, which no replica has confirmed yet: it may not survive a failover. Neither an
+            # acknowledgement nor "nothing was written".
+            raise StoreUnavailable(
+                f"session {sid!r}: the write reached Redis, but {confirmed} of the {self._wait[0]} replicas asked "
+                f"for confirmed it within {self._wait[1]} ms: it may not survive a failover of its node",
+                reason="unconfirmed",
+            )
         if answer in ("ok", "done"):
             for branch, done in zip(kept, pending, strict=True):
                 branch.sample.persisted = done
@@ -720,11 +810,43 @@ class RedisSessionStore(SessionStore):
         }.get(answer, (f"Redis answered {answer!r}: nothing was written", "redis"))
         raise StoreUnavailable(f"session {sid!r}: {why[0]}", reason=why[1])
 
+    # ---- the session index: beside the sessions, repaired -----------------------------------------------------
+    def _index_soon(self, session_id: str, score: float | None) -> Coroutine[Any, Any, None]:
+        """An index update beside a write (``_index_apply``), started now; what it returns, awaited once the write is
+        done, waits for it INDEX_WAIT_S at most: a create is listed once it is answered, unless the index's node is
+        slow (it then catches up in the background)."""
+        return _settled(self._background(self._index_apply(session_id, score), "redis-index"))
+
+    async def _index_apply(self, session_id: str, score: float | None) -> None:
+        """The session in the index with a score of at least ``score`` (``ZADD GT``: idempotent, adds a missing entry,
+        never moves a score back), or out of it (None). Never raises: when the index's node fails, the update is
+        queued for ``_repair_index``."""
+        try:
+            if score is None:
+                await self.redis.zrem(self._keys.index, session_id)
+            else:
+                await self.redis.zadd(self._keys.index, {session_id: score}, gt=True)
+        except (RedisError, RedisClusterException, OSError, StoreUnavailable) as exc:
+            if session_id not in self._index_pending:
+                log.warning("session %s: the session index could not be updated (%s); retrying", session_id, exc)
+            self._index_pending[session_id] = score
+        else:
+            if self._index_pending.get(session_id, _NOT_PENDING) == score:
+                del self._index_pending[session_id]
+
+    async def _repair_index(self) -> None:
+        """Apply the index updates that failed (the latest for each session), until the index's node answers."""
+        for session_id, score in list(self._index_pending.items()):
+            await self._index_apply(session_id, score)
+            if session_id in self._index_pending:
+                return  # still unreachable: the rest waits for the next round
+
     # ---- deleting --------------------------------------------------------------------------------------------
     async def _delete(self, session_id: str, *, idle_before: float | None) -> tuple[str, str | None]:
         """Delete the session unless a turn holds it ('busy', and the holder's instance id) or, with
         ``idle_before``, it was used since ('fresh'); else 'ok' or 'missing'."""
         key = self._keys.session(session_id)
+        dead = ""  # the lease of a holder that stopped: it does not keep the session
         with self._errors("delete"):
             for _ in range(READ_ATTEMPTS):
                 stamp, samples = await self.redis.hmget(key, "stamp", "samples")
@@ -733,22 +855,27 @@ class RedisSessionStore(SessionStore):
                 else:
                     keys = [key, Keys.lease(key), *Keys.all(key, orjson.loads(samples))[1:]]
                     answer = await self._delete_script(
-                        self.redis, keys, [stamp, "" if idle_before is None else idle_before]
+                        self.redis, keys, [stamp, "" if idle_before is None else idle_before, dead]
                     )
                 status = answer[0].decode()
                 if status == "changed":
                     continue
                 if status in ("ok", "missing"):
-                    # The index forgets it too (a session whose keys ran out of their TTL leaves it here).
-                    await self.redis.zrem(self._keys.index, session_id)
+                    # The index forgets it too (a session whose keys ran out of their TTL leaves it here), repaired
+                    # later when its node fails: the session is deleted either way.
+                    await self._index_soon(session_id, None)
                     self._forget(session_id)
                     if status == "ok":
                         self._count = max(0, self._count - 1)
                     return status, None
                 if status == "fresh":
-                    await self.redis.zadd(self._keys.index, {session_id: float(answer[1])}, xx=True)
+                    await self._index_soon(session_id, float(answer[1]))
                     return status, None
-                return status, answer[1].decode().split(":")[0]  # busy: who holds it
+                holder = answer[1].decode()
+                if not dead and await self._holder_is_dead(holder):
+                    dead = holder
+                    continue
+                return status, holder.split(":")[0]  # busy: who holds it
         raise StoreUnavailable(f"delete: session {session_id!r} kept changing while it was deleted", reason="redis")
 
     # ---- reading a whole session -----------------------------------------------------------------------------
@@ -895,13 +1022,9 @@ def _layout(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"id": p["id"], "chunks": {name: state[2] for name, state in p["arrays"].items()}} for p in pending]
 
 
-async def _together(first: Awaitable[Any], second: Awaitable[Any]) -> Any:
-    """Both at once (on a cluster, their keys may be on two nodes); the first's answer, or the first error."""
-    answers = await asyncio.gather(first, second, return_exceptions=True)
-    for answer in answers:
-        if isinstance(answer, BaseException):
-            raise answer
-    return answers[0]
+async def _settled(task: asyncio.Task[None]) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(task), INDEX_WAIT_S)
 
 
 def _raw(array: np.ndarray) -> memoryview:

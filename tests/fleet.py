@@ -178,7 +178,8 @@ def redis_cluster(directory: Path, *args: str, masters: int = 3, replicas: int =
     nodes = []
     for port, bus in zip(ports[:count], ports[count:], strict=True):
         node_args = ("--cluster-enabled", "yes", "--cluster-port", str(bus), "--cluster-config-file", "nodes.conf")
-        node_args += ("--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no", *args)
+        node_args += ("--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no")
+        node_args += ("--repl-diskless-sync-delay", "0", *args)  # a replica (re)syncs at once, not 5 s later
         nodes.append(RedisNode(port, directory / str(port), node_args))
     cluster = Cluster(nodes, masters)
     try:
@@ -208,7 +209,8 @@ def _wait_for_replicas(cluster: Cluster, replicas: int, timeout_s: float = 60.0)
         with node.client() as client:
             while True:
                 info = client.info("replication")
-                if info["role"] != "master" or info.get("connected_slaves", 0) >= replicas:
+                online = [info[f"slave{n}"] for n in range(info.get("connected_slaves", 0))]
+                if info["role"] != "master" or sum(r["state"] == "online" for r in online) >= replicas:
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the replicas of node {node.port} did not connect")

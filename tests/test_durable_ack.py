@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,8 @@ import pytest
 import redis
 from chat_checks import CALL_TEXT, WEATHER_TOOL, script
 from conftest import Service, run_gateway, run_simulator
-from fleet import AOF, redis_cluster, redis_node
+from fleet import AOF, Replica, redis_cluster, redis_node
+from procs import free_port
 
 from gateway.redis_store import Keys
 
@@ -206,3 +209,136 @@ def test_index_master_down_deletes_still_delete(simulator: Service, tmp_path: Pa
                 while client.zscore(keys.index, sid) is not None:
                     assert time.monotonic() < deadline, "the index kept a deleted session"
                     time.sleep(0.2)
+
+
+# ---- a dead replica's hold, and when to come back --------------------------------------------------------------
+def wait_until_busy(url: str, sid: str) -> None:
+    deadline = time.monotonic() + 20
+    while not httpx.get(f"{url}/v1/sessions/{sid}", timeout=10).json()["busy"]:
+        assert time.monotonic() < deadline, "the turn never started"
+        time.sleep(0.02)
+
+
+def replicas_env(url: str, **extra: str) -> dict[str, str]:
+    return store_env(url) | {"GATEWAY_REDIS_LEASE_S": "60"} | extra
+
+
+@contextmanager
+def two_replicas(simulator: Service, env_a: dict[str, str], env_b: dict[str, str]) -> Iterator[tuple[Replica, Replica]]:
+    a = Replica("a", free_port(), ("--upstream-url", simulator.url), env_a)
+    b = Replica("b", free_port(), ("--upstream-url", simulator.url), env_b)
+    a.start()
+    try:
+        b.start()
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_turn_on_a_held_session_is_told_when_to_come_back(simulator: Service, redis_server: Any) -> None:
+    """A live replica's hold is never taken: the other replica answers 409 session_busy with ``Retry-After`` and
+    ``x-should-retry: true`` (nothing ran), and the holder's turn is kept."""
+    env = replicas_env(redis_server.url, GATEWAY_REDIS_HEARTBEAT_S="0.2")
+    with two_replicas(simulator, env, env) as (a, b), ThreadPoolExecutor(1) as pool:
+        sid = create(Service(a.url, a.port), prompt_ids=PROMPT)
+        httpx.post(f"{simulator.url}/sim/faults", json={"mode": "delay", "delay_s": 2, "count": 1})
+        running = pool.submit(httpx.post, f"{a.url}/v1/sessions/{sid}/generate", json={}, timeout=60)
+        wait_until_busy(a.url, sid)
+        refused = httpx.post(f"{b.url}/v1/sessions/{sid}/generate", json={}, timeout=30)
+        assert refused.status_code == 409 and refused.json()["error"]["type"] == "session_busy", refused.text
+        assert refused.headers["retry-after"] == "1" and refused.headers["x-should-retry"] == "true"
+        assert running.result().status_code == 200
+        assert httpx.get(f"{b.url}/v1/sessions/{sid}", timeout=10).json()["turns"] == 1
+
+
+def retry_until_served(url: str, sid: str, deadline_s: float) -> tuple[httpx.Response, list[httpx.Response]]:
+    """POST a turn as a harness does: a 409 is sent again after its ``Retry-After``; the answer and the 409s."""
+    refusals = []
+    deadline = time.monotonic() + deadline_s
+    while True:
+        answer = httpx.post(f"{url}/v1/sessions/{sid}/generate", json={}, timeout=30)
+        if answer.status_code != 409 or time.monotonic() > deadline:
+            return answer, refusals
+        refusals.append(answer)
+        time.sleep(float(answer.headers.get("retry-after", "1")))
+
+
+def test_a_killed_replicas_hold_is_taken_over_long_before_its_lease_runs_out(
+    simulator: Service, redis_server: Any
+) -> None:
+    """kill -9 mid-turn with a 60 s lease: its heartbeat stops, and within a few beats another replica takes the
+    session over (the killed turn not in: the session is as before it)."""
+    env = replicas_env(redis_server.url, GATEWAY_REDIS_HEARTBEAT_S="0.2")
+    with two_replicas(simulator, env, env) as (doomed, survivor), ThreadPoolExecutor(1) as pool:
+        sid = create(Service(doomed.url, doomed.port), prompt_ids=PROMPT)
+        httpx.post(f"{survivor.url}/v1/sessions/{sid}/generate", json={}, timeout=30)
+        before = httpx.get(f"{survivor.url}/v1/sessions/{sid}", timeout=10).json()
+        httpx.post(f"{simulator.url}/sim/faults", json={"mode": "delay", "delay_s": 30, "count": 1})
+        cut = pool.submit(httpx.post, f"{doomed.url}/v1/sessions/{sid}/generate", json={}, timeout=60)
+        wait_until_busy(doomed.url, sid)
+        doomed.kill()
+        with pytest.raises(httpx.HTTPError):
+            cut.result()
+        answer, refusals = retry_until_served(survivor.url, sid, deadline_s=50)  # the lease: 60 s
+        assert answer.status_code == 200, answer.text
+        assert all(r.headers["retry-after"] == "1" for r in refusals)
+        after = httpx.get(f"{survivor.url}/v1/sessions/{sid}", timeout=10).json()
+        assert after["turns"] == before["turns"] + 1  # the killed turn never was, this one is
+        httpx.delete(f"{simulator.url}/sim/faults")
+
+
+def test_a_hold_without_a_heartbeat_is_never_taken_over(simulator: Service, redis_server: Any) -> None:
+    """A replica that does not heartbeat (GATEWAY_REDIS_HEARTBEAT_S=0, or an older version in a rolling upgrade)
+    holds its session until its lease runs out, even killed: nothing proves it stopped."""
+    with_beat = replicas_env(redis_server.url, GATEWAY_REDIS_HEARTBEAT_S="0.2", GATEWAY_REDIS_LEASE_S="4")
+    without = with_beat | {"GATEWAY_REDIS_HEARTBEAT_S": "0"}
+    with two_replicas(simulator, without, with_beat) as (old, new), ThreadPoolExecutor(1) as pool:
+        sid = create(Service(old.url, old.port), prompt_ids=PROMPT)
+        httpx.post(f"{simulator.url}/sim/faults", json={"mode": "delay", "delay_s": 30, "count": 1})
+        cut = pool.submit(httpx.post, f"{old.url}/v1/sessions/{sid}/generate", json={}, timeout=60)
+        wait_until_busy(old.url, sid)
+        old.kill()
+        with pytest.raises(httpx.HTTPError):
+            cut.result()
+        time.sleep(1.0)  # several of the new replica's heartbeats: a heartbeating holder would be taken over by now
+        assert httpx.post(f"{new.url}/v1/sessions/{sid}/generate", json={}, timeout=30).status_code == 409
+        answer, _ = retry_until_served(new.url, sid, deadline_s=30)
+        assert answer.status_code == 200  # once the lease ran out
+        httpx.delete(f"{simulator.url}/sim/faults")
+
+
+# ---- acknowledged once replicated ----------------------------------------------------------------------------------
+def test_with_wait_replicas_an_acknowledged_turn_survives_its_masters_failover(
+    simulator: Service, tmp_path: Path
+) -> None:
+    """GATEWAY_REDIS_WAIT_REPLICAS=1: a turn is answered once a replica of its master has it. The master is killed
+    the moment the answer arrives and its replica promoted: the turn is there. With the replica paused, a turn is
+    not acknowledged: 503 ``unconfirmed``, which says it may have been written (and tells SDKs not to resend
+    blindly), never "nothing was written"."""
+    env = store_env("") | {"GATEWAY_REDIS_WAIT_REPLICAS": "1", "GATEWAY_REDIS_WAIT_TIMEOUT_MS": "500"}
+    keys = Keys(env["GATEWAY_REDIS_PREFIX"])
+    with redis_cluster(tmp_path / "cluster") as cluster:
+        env["GATEWAY_STORE"] = cluster.url
+        with run_gateway(simulator.url, env=env) as gateway:
+            sid = create(gateway, prompt_ids=PROMPT)
+            master = cluster.master_of(keys.session(sid))
+            replica = cluster.replica_of(master)
+            replica.pause()
+            try:
+                refused = httpx.post(f"{gateway.url}/v1/sessions/{sid}/generate", json={}, timeout=30)
+            finally:
+                replica.resume()
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["reason"] == "unconfirmed" and refused.headers["x-should-retry"] == "false"
+            assert "nothing was written" not in refused.text
+            held = httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).json()["total_tokens"]
+            answer = httpx.post(f"{gateway.url}/v1/sessions/{sid}/generate", json={}, timeout=30)
+            assert answer.status_code == 200, answer.text
+            master.kill()  # at once: only what its replica has survives
+            cluster.wait_for_promotion(replica)
+            deadline = time.monotonic() + 30
+            while (after := httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30)).status_code != 200:
+                assert time.monotonic() < deadline, after.text
+                time.sleep(0.2)
+            assert after.json()["total_tokens"] == held + answer.json()["completion_tokens"]

@@ -447,16 +447,17 @@ class ChatStream:
         assert self.turn is not None
         self._splitter = self.service.splitter(self.request, self.plan)
         error: dict[str, Any] | None = None
+        kept = True  # an error event without a ``turn``: nothing of the turn was kept (its store write failed too)
         async with aclosing(self.turn.event_batches()) as batches:
             async for batch, ended in batches:
                 reasoning, text = self._pieces(batch)
                 for event in batch:
                     if event["type"] == "error":
-                        error = event["error"]
+                        error, kept = event["error"], event.get("turn") is not None
                 if text or reasoning:
                     yield StreamEvent(text=text, reasoning=reasoning)
                 if ended:
-                    yield self._end(error)
+                    yield self._end(error, kept)
 
     def _pieces(self, batch: list[dict[str, Any]]) -> tuple[str, str]:
         assert self._splitter is not None
@@ -469,9 +470,11 @@ class ChatStream:
                 content.append(c)
         return "".join(reasoning), "".join(content)
 
-    def _end(self, error: dict[str, Any] | None) -> StreamEvent:
-        result = self.result
-        if result is None:  # nothing folded: the session is as before the request
+    def _end(self, error: dict[str, Any] | None, kept: bool) -> StreamEvent:
+        """The stream's last event. The reply (its stop, its tool calls) goes only with a turn the session kept: the
+        turn's task sends its last event once the store has written it, and a failed write ends it as an error."""
+        result = self.result if kept else None
+        if result is None:  # nothing folded, or not kept: the session is as before the request
             fallback = GatewayError("the turn ended without an answer").to_body()["error"]
             return StreamEvent(end=True, error=error or fallback)
         assert self._splitter is not None
