@@ -13,6 +13,7 @@ import functools
 import logging
 import mmap
 import os
+import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, overload
@@ -37,7 +38,10 @@ log = logging.getLogger("slime_client")
 # running behind its back.
 DEFAULT_TIMEOUT = 900.0
 DEFAULT_CONNECT_TIMEOUT = 5.0  # opening one connection (within the call's deadline)
-DEFAULT_MAX_RETRIES = 2
+# Retries: enough to ride out a failover (a replica behind a load balancer, a Redis Cluster node: seconds), never
+# past DEFAULT_RETRY_FOR_S after the first attempt (see ``slime_client._retry``).
+DEFAULT_MAX_RETRIES = 10
+DEFAULT_RETRY_FOR_S = 30.0
 # A trainer keeps hundreds of turns in flight (slime: server concurrency x engines).
 DEFAULT_MAX_CONNECTIONS = 1024
 # Below the gateway's (uvicorn's) 5 s keep-alive: reusing a connection the server is closing at that very
@@ -79,7 +83,9 @@ class GatewayClient:
     ``timeout`` (seconds, default ``DEFAULT_TIMEOUT``: 900) is the deadline of each HTTP exchange: connecting,
     sending and the whole answer, a streamed turn to its last event; a retry gets a deadline of its own. Past it
     the call raises ``GatewayTimeoutError``. ``connect_timeout`` (default 5 s) bounds opening one connection
-    within that. ``max_retries`` bounds the retries of failures that are safe to retry (see ``slime_client._retry``).
+    within that. ``max_retries`` (default 10) and ``retry_for_s`` (default 30: no retry starts later than this after the
+    first attempt) bound the retries of failures that are safe to retry, honouring the gateway's ``Retry-After``
+    (see ``slime_client._retry``).
     The client holds one pool of keep-alive connections (``slime_wire.http1``), bound to the event loop that first
     uses it; creating the first client also calls ``keep_freed_memory_once`` (``SLIME_CLIENT_KEEP_FREED_MEMORY=0``
     opts out).
@@ -97,14 +103,16 @@ class GatewayClient:
         timeout: float | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         max_retries: int = DEFAULT_MAX_RETRIES,
+        retry_for_s: float = DEFAULT_RETRY_FOR_S,
     ) -> None:
-        if max_retries < 0:
-            raise ValueError("max_retries must be >= 0")
+        if max_retries < 0 or retry_for_s < 0:
+            raise ValueError("max_retries and retry_for_s must be >= 0")
         self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         if not (self.timeout > 0 and connect_timeout > 0):
             raise ValueError("timeout and connect_timeout must be > 0 seconds")
         self.base_url = base_url.rstrip("/")
         self.max_retries = max_retries
+        self.retry_for_s = float(retry_for_s)
         key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
         self._auth_headers: tuple[tuple[bytes, bytes], ...] = (
             ((b"authorization", f"Bearer {key}".encode("latin-1")),) if key else ()
@@ -214,18 +222,30 @@ class GatewayClient:
         body: Any = None,
         params: Mapping[str, str] | None = None,
         idempotent: bool,
+        resendable: bool = False,
     ) -> Any:
-        _, content = await self._send(method, path, body=body, params=params, idempotent=idempotent)
+        _, content = await self._send(
+            method, path, body=body, params=params, idempotent=idempotent, resendable=resendable
+        )
         try:
             return orjson.loads(content)
         except orjson.JSONDecodeError as exc:
             raise GatewayResponseError(f"{method} {path}: the answer is not JSON: {exc}") from exc
 
-    async def _safetensors(self, method: str, path: str, *, body: Any = None, idempotent: bool) -> Any:
+    async def _safetensors(
+        self, method: str, path: str, *, body: Any = None, idempotent: bool, resendable: bool = False
+    ) -> Any:
         """A sample's safetensors body, received straight into a buffer of its own (``new_sample_buffer``) that
-        the sample's tensors then view. ``idempotent``: as for ``_json`` (a turn answered in tensors is not)."""
+        the sample's tensors then view. ``idempotent``, ``resendable``: as for ``_send`` (a turn answered in tensors
+        is not idempotent; with ``sync`` it is resendable)."""
         response, content = await self._send(
-            method, path, body=body, idempotent=idempotent, into=self._sample_buffers.take, accept=SAFETENSORS_ACCEPT
+            method,
+            path,
+            body=body,
+            idempotent=idempotent,
+            resendable=resendable,
+            into=self._sample_buffers.take,
+            accept=SAFETENSORS_ACCEPT,
         )
         media_type = response.content_type or ""
         if not media_type.startswith(SAFETENSORS_MEDIA_TYPE):
@@ -240,6 +260,7 @@ class GatewayClient:
         body: Any = None,
         params: Mapping[str, str] | None = None,
         idempotent: bool,
+        resendable: bool = False,
         gone_is_done: bool = False,
         into: Callable[[int], Any] | None = None,
         stream: bool = False,
@@ -249,7 +270,8 @@ class GatewayClient:
         SDK's. Returns the answer (status, headers) and its body: bytes, or for a success what ``into`` allocated
         and the body was received into; with ``stream`` a success comes back unread (the caller reads it with
         ``iter_raw`` and closes it) and its body is None. ``accept``: the media type asked for (``stream`` asks
-        for ``text/event-stream``).
+        for ``text/event-stream``). ``resendable``: a second run is refused by the gateway rather than doubled (a
+        turn or append with ``sync``), so it may be sent again after it may have arrived (``_retry``).
 
         ``gone_is_done``: a 404 after a retry of a request that may already have arrived means the first
         attempt did it (DELETE), so it is success.
@@ -257,27 +279,41 @@ class GatewayClient:
         if self._closed:
             raise RuntimeError("this GatewayClient is closed")
         target = path if not params else f"{path}?{urlencode(params)}"
+        url = self.base_url + target
         payload = b"" if body is None else orjson.dumps(body)
         headers = self._headers(json=body is not None, accept=EVENT_STREAM if stream else accept)
         attempt = 0
         may_have_arrived = False
+        give_up_at = time.monotonic() + self.retry_for_s
         while True:
             try:
                 response, content = await self._exchange(method, target.encode(), headers, payload, into, stream)
             except TransportError as exc:
-                if attempt >= self.max_retries or not _retry.retryable_error(exc, idempotent=idempotent):
-                    raise translate_transport_error(exc, method, self.base_url + target) from exc
+                retry = _retry.retryable_error(exc, idempotent=idempotent, resendable=resendable)
+                delay = _retry.retry_delay(attempt)
+                if not retry or attempt >= self.max_retries or time.monotonic() + delay > give_up_at:
+                    raise translate_transport_error(exc, method, url) from exc
                 may_have_arrived = may_have_arrived or _retry.may_have_arrived(exc)
-                await self._wait_before_retry(attempt, method, self.base_url + target, type(exc).__name__)
+                await self._wait_before_retry(attempt, method, url, type(exc).__name__, delay)
                 attempt += 1
                 continue
             status = response.status
             if 200 <= status < 300 or (gone_is_done and may_have_arrived and status == 404):
                 return response, content
-            if attempt >= self.max_retries or not _retry.retryable_status(status, idempotent=idempotent):
-                raise make_status_error(status, content, response.headers)
+            error = make_status_error(status, content, response.headers)
+            retry = _retry.retryable_status(
+                status,
+                idempotent=idempotent,
+                resendable=resendable,
+                retrying=may_have_arrived,
+                error_type=error.error_type,
+                reason=error.details.get("reason"),
+            )
+            delay = _retry.retry_delay(attempt, retry_after=_retry.retry_after(error.headers))
+            if not retry or attempt >= self.max_retries or time.monotonic() + delay > give_up_at:
+                raise error
             may_have_arrived = True
-            await self._wait_before_retry(attempt, method, self.base_url + target, f"status {status}")
+            await self._wait_before_retry(attempt, method, url, f"status {status} {error.error_type or ''}", delay)
             attempt += 1
 
     async def _exchange(
@@ -312,8 +348,7 @@ class GatewayClient:
             headers.append((b"accept", accept))
         return headers
 
-    async def _wait_before_retry(self, attempt: int, method: str, url: str, why: str) -> None:
-        delay = _retry.retry_delay(attempt)
+    async def _wait_before_retry(self, attempt: int, method: str, url: str, why: str, delay: float) -> None:
         log.info("%s %s failed (%s); retry %d/%d in %.2fs", method, url, why, attempt + 1, self.max_retries, delay)
         await asyncio.sleep(delay)
 
@@ -336,6 +371,7 @@ class Session:
         sampling_params: Mapping[str, Any] | None = None,
         *,
         return_routed_experts: bool | None = None,
+        sync: SessionSync | None = None,
         stream: Literal[False] = False,
     ) -> Coroutine[Any, Any, TurnResult]: ...
 
@@ -345,6 +381,7 @@ class Session:
         sampling_params: Mapping[str, Any] | None = None,
         *,
         return_routed_experts: bool | None = None,
+        sync: SessionSync | None = None,
         stream: Literal[True],
     ) -> TurnStream: ...
 
@@ -353,6 +390,7 @@ class Session:
         sampling_params: Mapping[str, Any] | None = None,
         *,
         return_routed_experts: bool | None = None,
+        sync: SessionSync | None = None,
         stream: bool = False,
     ) -> Coroutine[Any, Any, TurnResult] | TurnStream:
         """Run one model turn on the session's tokens and fold it in.
@@ -360,14 +398,14 @@ class Session:
         ``await session.generate(...)`` returns the turn summary. ``stream=True`` returns a ``TurnStream``
         instead (``async for`` over ``TurnDelta`` events, then the ``TurnResult``; see ``slime_client.streaming``).
         ``return_routed_experts`` None: whatever the session was created for (routing replay iff it has a
-        MoE shape).
+        MoE shape). ``sync``: what the caller believes the session holds (as for ``generate_turn``); with it, a turn
+        whose connection died before any answer is sent again (the gateway runs it at most once).
         """
-        body: dict[str, Any] = {"sampling_params": dict(sampling_params or {})}
-        if return_routed_experts is not None:
-            body["return_routed_experts"] = return_routed_experts
+        body = turn_body(sampling_params, return_routed_experts, sync, "never")
         if stream:
-            return TurnStream(self.client, f"{self._path}/generate", body | {"stream": True})
-        return self._generate(body)
+            path = f"{self._path}/generate"
+            return TurnStream(self.client, path, body | {"stream": True}, resendable=sync is not None)
+        return self._generate(body, resendable=sync is not None)
 
     async def generate_turn(
         self,
@@ -382,11 +420,15 @@ class Session:
         answers 409 ``session_mismatch`` (``ConflictError``, its ``details`` say what the session holds) and
         changes nothing. ``delete_after_turn``: as for ``GatewayClient.start_session``."""
         body = turn_body(sampling_params, return_routed_experts, sync, delete_after_turn)
-        content = await self.client._safetensors("POST", f"{self._path}/generate", body=body, idempotent=False)
+        content = await self.client._safetensors(
+            "POST", f"{self._path}/generate", body=body, idempotent=False, resendable=sync is not None
+        )
         return TurnTensors.from_safetensors(content)
 
-    async def _generate(self, body: dict[str, Any]) -> TurnResult:
-        answer = await self.client._json("POST", f"{self._path}/generate", body=body, idempotent=False)
+    async def _generate(self, body: dict[str, Any], *, resendable: bool) -> TurnResult:
+        answer = await self.client._json(
+            "POST", f"{self._path}/generate", body=body, idempotent=False, resendable=resendable
+        )
         return TurnResult.from_json(answer)
 
     async def abort(self) -> SessionSummary:
@@ -404,7 +446,9 @@ class Session:
             body["text"] = text
         if sync is not None:
             body["sync"] = sync.to_json()
-        answer = await self.client._json("POST", f"{self._path}/append", body=body, idempotent=False)
+        answer = await self.client._json(
+            "POST", f"{self._path}/append", body=body, idempotent=False, resendable=sync is not None
+        )
         return SessionSummary.from_json(answer)
 
     async def state(self, *, full: bool = False) -> SessionState:

@@ -17,7 +17,7 @@ with ``raise ... from exc``, and every gateway error answer becomes a typed ``Ga
         ├── NotFoundError            404       unknown session
         ├── ConflictError            409       session id taken, or a turn already running on the session
         ├── UpstreamError            502       SGLang answered something invalid (or dropped replay data)
-        ├── ServiceUnavailableError  503       SGLang unreachable / overloaded (retried)
+        ├── ServiceUnavailableError  503       SGLang or the session store unreachable / overloaded (retried)
         └── GatewayTimeout           504       SGLang did not answer in time (the gateway's verdict)
 
 Other statuses (429, 500, ...) are plain ``GatewayStatusError``. ``GatewayTimeoutError`` (this client gave up
@@ -104,7 +104,8 @@ class UpstreamError(GatewayStatusError):
 
 
 class ServiceUnavailableError(GatewayStatusError):
-    """503: SGLang could not be reached or is overloaded."""
+    """503: SGLang or the session store (Redis) could not be reached or is overloaded; nothing was written (except
+    ``details["reason"] == "unconfirmed"``: written, not yet confirmed by Redis replicas)."""
 
 
 class GatewayTimeout(GatewayStatusError):
@@ -137,8 +138,14 @@ def make_status_error(
     return error_class(message, status=status, error_type=error_type, body=body, headers=named)
 
 
-# The status a gateway error type maps to, for errors that arrive inside a stream (whose HTTP status was 200).
-_STREAM_ERROR_STATUS = {"upstream_rejected": 400, "upstream_unavailable": 503, "upstream_timeout": 504}
+# The status a gateway error type maps to, for errors that arrive inside a stream (whose HTTP status was 200): the
+# status the same error has on a unary turn; the others are 502 (the upstream's answer broke the protocol).
+_STREAM_ERROR_STATUS = {
+    "upstream_rejected": 400,
+    "upstream_unavailable": 503,
+    "upstream_timeout": 504,
+    "store_unavailable": 503,
+}
 
 
 def make_stream_error(error: Any, partial_turn: Any = None) -> GatewayStatusError:

@@ -13,8 +13,12 @@ coherent and the next ``generate`` continues from it. ``async with`` makes the c
 ``async for`` closes when the stream object is garbage collected.
 
 The request goes through the client's retry policy up to the answer's head (a connection that failed before the
-request left, or a 503, is retried; nothing is once an event may have arrived). The client's ``timeout`` is the
-deadline of the whole stream, to its last event. A stream read to its end leaves its connection to the pool.
+request left, or a 503, is retried; with ``sync`` also a connection that died before any answer, and a busy
+session while an earlier attempt's hold lasts; nothing is once an event may have arrived). A stream that fails
+after its head raises the error a unary turn would (the error event's ``turn``, as ``partial_turn``: what the
+session kept of it; None: nothing, the deltas received are void and the turn may be run again, safely with ``sync``).
+The client's ``timeout`` is the deadline of the whole stream, to its last event. A stream read to its end leaves its
+connection to the pool.
 """
 
 from __future__ import annotations
@@ -49,10 +53,11 @@ class TurnDelta:
 class TurnStream:
     """An async iterator of ``TurnDelta`` events and, last, the ``TurnResult``. See the module docstring."""
 
-    def __init__(self, client: GatewayClient, path: str, body: dict[str, Any]) -> None:
+    def __init__(self, client: GatewayClient, path: str, body: dict[str, Any], *, resendable: bool = False) -> None:
         self._client = client
         self._path = path
         self._body = body
+        self._resendable = resendable
         self._events = self._iterate()
         self.result: TurnResult | None = None
 
@@ -80,7 +85,9 @@ class TurnStream:
         return self.result
 
     async def _iterate(self) -> AsyncIterator[TurnDelta | TurnResult]:
-        response, _ = await self._client._send("POST", self._path, body=self._body, idempotent=False, stream=True)
+        response, _ = await self._client._send(
+            "POST", self._path, body=self._body, idempotent=False, resendable=self._resendable, stream=True
+        )
         pieces = response.iter_raw()
         events = _sse_events(pieces)
         try:

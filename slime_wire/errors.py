@@ -11,6 +11,7 @@ have run already.
     └── SentError            the request may have reached the server: it may have run
         ├── ResponseTimeout  no complete answer before the call's deadline
         ├── ConnectionLost   the connection ended before the answer was complete
+        │   └── NoAnswer     ... before any byte of it (a server that died, or a proxy closing for it)
         └── ProtocolViolation  the answer is not valid HTTP/1.1 (framing, status line, headers, sizes)
 """
 
@@ -43,6 +44,12 @@ class ResponseTimeout(SentError):
 
 class ConnectionLost(SentError):
     pass
+
+
+class NoAnswer(ConnectionLost):
+    """Not a byte of an answer came: the server may still have run the request (it died before answering), so only
+    a request whose second run changes nothing (idempotent, or one the server checks, like a turn with ``sync``)
+    may be sent again."""
 
 
 class ProtocolViolation(SentError):

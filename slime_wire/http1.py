@@ -51,6 +51,7 @@ import httptools
 from slime_wire.errors import (
     ConnectFailed,
     ConnectionLost,
+    NoAnswer,
     PoolTimeout,
     ProtocolViolation,
     ResponseTimeout,
@@ -706,10 +707,12 @@ class _Connection(asyncio.BufferedProtocol):
             exchange.on_complete()  # a body delimited by the end of the connection (RFC 9112 section 6.3)
             return
         if not exchange.bytes_received:
-            detail = "the upstream closed the connection without answering"
+            error: ConnectionLost = NoAnswer("the upstream closed the connection without answering")
         else:
-            detail = "the connection ended in the middle of the answer"
-        exchange.fail(ConnectionLost(detail + (f" ({exc})" if exc else "")))
+            error = ConnectionLost("the connection ended in the middle of the answer")
+        if exc:
+            error.args = (f"{error.args[0]} ({exc})",)
+        exchange.fail(error)
 
     def _peer_acked_bytes(self) -> int | None:
         """How many bytes the peer's TCP stack has acknowledged (Linux ``TCP_INFO``), None where unknown."""
