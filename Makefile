@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # CUDA build. Only the client SDK and its tests use torch; the gateway itself needs none.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test lint format demo bench clean routers redis chromium harnesses test-sglang
+.PHONY: install test lint format demo bench clean routers redis haproxy chromium harnesses test-sglang test-chaos
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: install routers redis chromium harnesses
+test: install routers redis haproxy chromium harnesses
 	$(PY) -m pytest
 
 # The router tier of `make test`: the real SGLang routers from the package registry, each in its own venv (no
@@ -41,6 +41,20 @@ routers: $(ROUTER_STAMPS)
 # PATH, or Debian's package without a system install). When none can be had, those tests skip and say why.
 redis:
 	@bash scripts/redis_server.sh .redis
+
+# HAProxy, the load balancer in front of gateway replicas (docker/haproxy.cfg), for the fleet and chaos tests: the one
+# on PATH, or Debian's package unpacked into .haproxy/ without a system install (scripts/haproxy.sh). When none can
+# be had, those tests skip and say why (.haproxy/install.log).
+haproxy:
+	@bash scripts/haproxy.sh .haproxy
+
+# The long chaos runs (tests/test_chaos.py, marker `chaos`, not part of `make test`, which runs a short one): several
+# minutes of real Claude Code / Codex runs and SDK rollouts through HAProxy under each fault, counted.
+# CHAOS_SECONDS sets each run's length.
+CHAOS_SECONDS ?= 180
+
+test-chaos: install redis haproxy harnesses
+	CHAOS_SECONDS=$(CHAOS_SECONDS) $(PY) -m pytest -v -s -m chaos tests/test_chaos.py
 
 # The agent harnesses the chat tests drive (tests/test_harnesses.py): Claude Code and the Codex CLI from the npm
 # registry, pinned, into .harnesses/ (no global install). When they cannot be had, those tests skip and say why

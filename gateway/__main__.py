@@ -8,10 +8,12 @@ import sys
 
 import uvicorn
 from pydantic import ValidationError
+from uvicorn.main import STARTUP_FAILURE
 
 from gateway.app import create_app
 from gateway.config import Settings, exposure_problem, is_loopback
 from gateway.connections import ConnectionGuard, fit_open_files_limit
+from gateway.drain import Drain, DrainingServer
 from slime_wire.memory import keep_freed_memory
 
 
@@ -60,8 +62,9 @@ def main(argv: list[str] | None = None) -> None:
         header_timeout_s=settings.header_timeout_s,
         body_timeout_s=settings.body_timeout_s,
     )
-    uvicorn.run(
-        create_app(settings, connections),
+    drain = Drain()
+    config = uvicorn.Config(
+        create_app(settings, connections, drain),
         http=connections.protocol_class(),  # uvicorn's httptools protocol + the head deadline and the cap
         host=settings.host,
         port=settings.port,
@@ -70,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
         timeout_keep_alive=int(settings.keep_alive_s),
     )
+    server = DrainingServer(config, drain, settings.drain_s)  # uvicorn.run's server, draining first on SIGTERM
+    server.run()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,14 @@ from gateway.chat.service import ChatService, ChatSettings
 from gateway.chat.template import ChatTemplate
 from gateway.config import Settings, stored_bytes_limit
 from gateway.connections import ConnectionGuard
+from gateway.drain import CloseWhileDraining, Drain
 from gateway.errors import GatewayError, InvalidRequest
+from gateway.fleet import FleetListener
 from gateway.http_errors import InternalErrorMiddleware, error_response, from_http_exception
 from gateway.limits import RequestBodyLimitMiddleware
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.responses import json_response
-from gateway.routes import chat, health, passthrough, sessions, ui
+from gateway.routes import chat, fleet, health, passthrough, sessions, ui
 from gateway.routes import metrics as metrics_route
 from gateway.state import GatewayState
 from gateway.store import SessionStore
@@ -35,9 +37,11 @@ from gateway.upstream import Upstream
 log = logging.getLogger("gateway")
 
 
-def create_app(settings: Settings, connections: ConnectionGuard | None = None) -> FastAPI:
-    """``connections``: the guard of the server's client connections (``gateway.connections``), for its metrics."""
+def create_app(settings: Settings, connections: ConnectionGuard | None = None, drain: Drain | None = None) -> FastAPI:
+    """``connections``: the guard of the server's client connections (``gateway.connections``), for its metrics;
+    ``drain``: whether the server drains (``gateway.drain``, started by its SIGTERM)."""
     metrics = GatewayMetrics()
+    drain = drain or Drain()
     if connections is not None:
         metrics.track_connections(open_now=lambda: connections.open, closed=lambda: dict(connections.closed))
     max_stored_bytes = stored_bytes_limit(settings)
@@ -61,6 +65,7 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
             cpu_pool=ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="gateway-decode"),
             metrics=metrics,
             instance_id=instance_id,
+            drain=drain,
         )
         await state.store.start()
         if settings.tokenizer is not None:
@@ -76,6 +81,7 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
         # costs microseconds instead of ~25 ms with the GIL held, i.e. a ~25 ms event-loop stall.
         gc.freeze()
         sweeper = asyncio.create_task(_expire_idle_sessions(state), name="session-ttl")
+        listener = asyncio.create_task(state.store.listen(FleetListener(state).on_message), name="fleet-actions")
         log.info("gateway %s (instance %s) -> upstream %s", __version__, state.instance_id, settings.upstream_base)
         log.info(
             "limits: %d request body bytes, %d tokens per session, %s session bytes in all",
@@ -87,6 +93,7 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
             yield
         finally:
             sweeper.cancel()
+            listener.cancel()
             await state.aclose()
 
     app = FastAPI(title="slime-gateway", version=__version__, lifespan=lifespan)
@@ -100,6 +107,7 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
             AuthMiddleware, keys=KeyRing(settings.api_keys), open_paths=open_paths, on_error=_gateway_error
         )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(CloseWhileDraining, drain=drain)
     app.add_middleware(InternalErrorMiddleware)
     app.add_exception_handler(GatewayError, _gateway_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -108,6 +116,7 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None) -
     app.include_router(metrics_route.router)
     app.include_router(passthrough.router)
     app.include_router(sessions.router)
+    app.include_router(fleet.router)
     app.include_router(chat.router)
     app.include_router(ui.router)
     openapi.install(app, settings)  # the document the routes describe (gateway.openapi)

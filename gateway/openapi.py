@@ -196,15 +196,24 @@ class AbortAnswer(SessionSummary):
     instance_id: str | None = Field(None, description="the replica running the turn, when another one runs it")
 
 
+class AbortAllAnswer(BaseModel):
+    aborted: int = Field(description="turns this replica was running, aborted (ended before the answer)")
+    published: bool = Field(description="whether the abort went out to the other replicas over the shared store")
+    receivers: int = Field(description="the other replicas' subscriptions Redis delivered it to")
+
+
 class Health(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    status: Literal["ok"]
+    status: Literal["ok", "draining"]
     version: str
     instance_id: str
     upstream_url: str
     sessions: int
     uptime_s: float
+    fleet_channel: bool | None = Field(
+        None, description="whether this replica hears the others' gateway-wide actions (None: it has no others)"
+    )
 
 
 # The chat APIs' answers, as each API defines them (the fields clients read; more may come, the gateway's own

@@ -41,7 +41,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -260,6 +260,11 @@ class Keys:
         tag = session_id.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
         return f"{self.prefix}:s:{{{tag}}}"
 
+    @property
+    def fleet(self) -> str:
+        """The channel of gateway-wide actions (``gateway.fleet``)."""
+        return f"{self.prefix}:fleet"
+
     def instance(self, instance_id: str) -> str:
         """A gateway replica's heartbeat (``RedisSessionStore._heartbeats``)."""
         return f"{self.prefix}:instance:{instance_id}"
@@ -348,6 +353,7 @@ class RedisSessionStore(SessionStore):
         self._count = 0
         self._renewer: asyncio.Task[None] | None = None
         self._heart: asyncio.Task[None] | None = None
+        self.listening: bool | None = False
         self._cleanups: set[asyncio.Task[None]] = set()
         self._scripts = [Script(text) for text in (_ACQUIRE, _WRITE, _DELETE, _UNLOCK, _RENEW)]
         self._acquire_script, self._write_script, self._delete_script, self._unlock_script, self._renew_script = (
@@ -650,6 +656,38 @@ class RedisSessionStore(SessionStore):
 
     def _check_store_room(self, new_bytes: int) -> None:
         """The sessions are in Redis: a replica's memory holds only a cache of them (``_trim_cache``)."""
+
+    # ---- gateway-wide actions: pub/sub on PREFIX:fleet --------------------------------------------------------
+    shared = True
+
+    async def broadcast(self, message: dict[str, Any]) -> int:
+        with self._errors("publish"):
+            return int(await self.redis.publish(self._keys.fleet, orjson.dumps(message)))
+
+    async def listen(self, on_message: Callable[[dict[str, Any]], None]) -> None:
+        """Subscribed to the channel until cancelled, subscribing again (with a backoff) whenever the connection
+        fails: a restarted Redis, a failed-over cluster node."""
+        pause = 0.1
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(self._keys.fleet)
+                async for message in pubsub.listen():
+                    if message.get("type") == "subscribe":
+                        self.listening, pause = True, 0.1
+                    elif message.get("type") == "message":
+                        try:
+                            on_message(orjson.loads(message["data"]))
+                        except (orjson.JSONDecodeError, TypeError) as exc:
+                            log.warning("session store: an unreadable gateway-wide message: %s", exc)
+            except (RedisError, RedisClusterException, OSError, StoreUnavailable) as exc:
+                log.warning("session store: the gateway-wide channel failed (%s); subscribing again", exc)
+            finally:
+                self.listening = False
+                with contextlib.suppress(RedisError, RedisClusterException, OSError):
+                    await pubsub.aclose()
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 2.0)
 
     # ---- leases ----------------------------------------------------------------------------------------------
     async def _unlock(self, session_id: str, value: str) -> None:

@@ -306,7 +306,14 @@ def json_body(model: type[Body], token_array: str | None = None) -> Callable[[Re
     return parse
 
 
+class AbortAll(_Body):
+    """``POST /v1/abort_all``: why (each aborted turn's finish reason says it)."""
+
+    reason: str = Field("aborted on every gateway replica", min_length=1, max_length=500)
+
+
 SessionCreateBody = Annotated[SessionCreate, Depends(json_body(SessionCreate, token_array="prompt_ids"))]
 TurnCreateBody = Annotated[TurnCreate, Depends(json_body(TurnCreate))]
 ToolAppendBody = Annotated[ToolAppend, Depends(json_body(ToolAppend, token_array="token_ids"))]
 SampleBatchBody = Annotated[SampleBatchRequest, Depends(json_body(SampleBatchRequest))]
+AbortAllBody = Annotated[AbortAll, Depends(json_body(AbortAll))]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 from fastapi import Depends, Request
 
 from gateway.config import Settings
+from gateway.drain import Drain
 from gateway.metrics import GatewayMetrics
 from gateway.store import SessionStore
 from gateway.upstream import Upstream
@@ -33,6 +34,7 @@ class GatewayState:
     chat: ChatService | None = None  # the chat routes, when a tokenizer is configured
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = field(default_factory=time.time)
+    drain: Drain = field(default_factory=Drain)  # started by SIGTERM (``gateway.drain``): /health answers 503
 
     async def run_cpu(self, size: int, fn: Callable[[], T], *, threshold: int | None = None) -> T:
         """Run CPU work (decode, encode) in the pool when it is big enough to stall the event loop: ``size`` past

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
@@ -304,6 +304,17 @@ class SessionStore:
     async def holder(self, session_id: str) -> str | None:
         """The gateway instance running a turn on the session, if another one is (a shared backend)."""
         return None
+
+    # ---- gateway-wide actions (``gateway.fleet``): nobody else to tell in one process -----------------------------
+    shared: ClassVar[bool] = False  # whether other gateway replicas share these sessions
+    listening: bool | None = None  # whether this replica hears the others' actions (None: there are none)
+
+    async def broadcast(self, message: dict[str, Any]) -> int:
+        """Tell every other replica sharing the store (``gateway.fleet``); how many subscribers got it."""
+        return 0
+
+    async def listen(self, on_message: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``on_message`` with each message another replica broadcasts, until cancelled."""
 
     async def create(
         self,

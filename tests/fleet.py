@@ -332,7 +332,7 @@ def haproxy(replicas: list[Replica], directory: Path) -> Iterator[HAProxy]:
     env = {**os.environ, **haproxy_env(replicas, port, stats_port)}
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [str(binary), "-W", "-db", "-f", str(HAPROXY_CONFIG)], env=env, stdout=out, stderr=subprocess.STDOUT
+            [str(binary), "-db", "-f", str(HAPROXY_CONFIG)], env=env, stdout=out, stderr=subprocess.STDOUT
         )
     proxy = HAProxy(port, stats_port, process, log)
     try:

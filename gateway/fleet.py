@@ -1,0 +1,79 @@
+"""Gateway-wide actions: what one request asks of every replica that shares the session store.
+
+A request reaches one replica (the load balancer chose it); an action on all sessions must reach all of them. The
+replica that gets it acts at once on its own turns and publishes the action on the store's channel
+(``PREFIX:fleet``, Redis pub/sub: on a Redis Cluster a ``PUBLISH`` reaches every node's subscribers); every other
+replica is subscribed (``SessionStore.listen``, started by the app's lifespan) and acts on it when it arrives. On the
+in-memory store there is one replica, and the action is only local.
+
+Actions:
+- ``abort_all``: every turn running on any replica ends, aborted-but-coherent, its tokens so far folded in (each
+  replica's ``GatewayState.abort_running_turns``): slime's end-of-rollout ``abort_request {"abort_all": true}``
+  wired to ``abort_everywhere``, or ``POST /v1/abort_all``.
+
+Delivery is Redis pub/sub's: at most once, to the replicas subscribed at that moment. A replica cut off from Redis
+misses the message (its turns end by themselves, or the engine's own abort ends them); the answer says how many
+subscribers Redis counted (on a Cluster: those of the node that took the ``PUBLISH``).
+API keys are not rotated over the store, on purpose: anyone able to write to Redis could then grant themselves
+access. A key rotation is a rolling restart (``GATEWAY_API_KEY=old,new``, clients move to ``new``, then
+``GATEWAY_API_KEY=new``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
+
+log = logging.getLogger("gateway.fleet")
+
+ABORT_ALL = "abort_all"
+
+
+@dataclass(frozen=True, slots=True)
+class FleetAbort:
+    aborted: int  # turns this replica was running, now aborted
+    published: bool  # whether the action went out to the other replicas (a shared store that answered)
+    receivers: int  # the other replicas' subscriptions Redis delivered it to
+
+    def to_json(self) -> dict[str, Any]:
+        return {"aborted": self.aborted, "published": self.published, "receivers": self.receivers}
+
+
+async def abort_everywhere(state: GatewayState, reason: str) -> FleetAbort:
+    """Abort every running turn on every replica: this one's now (it answers once they ended), the others' as the
+    message reaches them. A store that cannot publish (Redis down) still aborts here, and says so."""
+    running = len(state.store.running_turns())
+    message = {"action": ABORT_ALL, "reason": reason, "origin": state.instance_id}
+    published, receivers = True, 0
+    try:
+        receivers = await state.store.broadcast(message)
+    except Exception as exc:  # the local abort must happen whatever the store does
+        log.warning("abort_all: could not reach the other replicas: %s", exc)
+        published = False
+    await state.abort_running_turns(reason)
+    return FleetAbort(running, published and state.store.shared, receivers)
+
+
+class FleetListener:
+    """Acts on the gateway-wide actions other replicas publish (``SessionStore.listen`` calls ``on_message``)."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def on_message(self, message: dict[str, Any]) -> None:
+        if message.get("origin") == self.state.instance_id:
+            return  # its own: acted on when it was sent
+        if message.get("action") == ABORT_ALL:
+            reason = str(message.get("reason") or "aborted on every gateway replica")
+            log.info("abort_all from gateway instance %s: %s", message.get("origin"), reason)
+            task = asyncio.create_task(self.state.abort_running_turns(reason), name="fleet-abort-all")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            log.warning("gateway-wide action %r not known here (a newer replica's?): ignored", message.get("action"))
