@@ -96,6 +96,27 @@ INDEX_WAIT_S = 1.0
 HEARTBEAT_MARK = ":h"
 HEARTBEAT_MISSES = 3
 
+# Every command the store sends Redis and every command its scripts run (Redis checks those against the user's ACL
+# too): all its ACL user needs (``acl_rules``). The cluster client also asks the nodes for their map of the slots.
+REDIS_COMMANDS = (
+    # the store's own
+    "evalsha", "eval", "script|load", "get", "set", "del", "exists", "hget", "hmget", "hgetall", "lrange",
+    "zadd", "zrem", "zcard", "zrange", "zrangebyscore", "time", "wait", "publish", "subscribe",
+    # its scripts'
+    "hset", "append", "rename", "pexpire", "persist", "rpush",
+)  # fmt: skip
+CLUSTER_COMMANDS = ("cluster|slots", "command")  # redis-py reads the slot map and the commands' key positions
+# Not needed, and not listed: redis-py names each connection with CLIENT SETINFO (Redis 7.2+) and goes on when it is
+# refused (Redis 7.2+ then logs the refusal in ACL LOG: add +client|setinfo to keep the log quiet).
+
+
+def acl_rules(prefix: str, *, cluster: bool = False) -> list[str]:
+    """The ``ACL SETUSER`` rules of a user that may do all the store does and nothing else: its keys (``PREFIX:*``),
+    its channel (``PREFIX:fleet``), its commands. Add the password (``>...``) and, for the user to exist, ``on``."""
+    commands = (*REDIS_COMMANDS, *(CLUSTER_COMMANDS if cluster else ()))
+    return ["resetkeys", f"~{prefix}:*", "resetchannels", f"&{prefix}:fleet", "-@all", *(f"+{c}" for c in commands)]
+
+
 # "#!lua": Redis 7's script flags, none given: a script that may write is refused whole when Redis is out of memory
 # (never half run), and on a cluster it may touch only the keys it declares (one slot).
 _NOW_MS = """#!lua
