@@ -143,6 +143,7 @@ def make_store(settings: Settings, max_stored_bytes: int | None, instance_id: st
         heartbeat_s=settings.redis_heartbeat_s,
         wait_replicas=settings.redis_wait_replicas,
         wait_timeout_ms=settings.redis_wait_timeout_ms,
+        retry_s=settings.redis_retry_s,
     )
 
 

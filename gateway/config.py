@@ -128,7 +128,7 @@ class Settings(BaseSettings):
     redis_heartbeat_s: float = Field(
         1.0,
         ge=0,
-        description="with the Redis store: each replica renews a heartbeat key this often (it lasts 3 beats); a hold "
+        description="with the Redis store: each replica renews a heartbeat key this often (it lasts 5 beats); a hold "
         "left by a replica whose heartbeat ran out (killed, its host gone) is taken over at once instead of after "
         "redis_lease_s. 0: no heartbeat (a dead replica's holds run out after redis_lease_s)",
     )
@@ -139,6 +139,14 @@ class Settings(BaseSettings):
         "Redis node have its write (WAIT), so that a failover loses no acknowledged turn; a write they do not confirm "
         "within redis_wait_timeout_ms is answered 503 store_unavailable (reason unconfirmed). 0: acknowledged once "
         "the node has it (a failover of a node without AOF may lose its last writes)",
+    )
+    redis_retry_s: float = Field(
+        0.0,
+        ge=0,
+        description="with the Redis store: how long a command is sent again while Redis fails over (a node down or "
+        "frozen, a Redis Cluster promoting a replica), before the request is answered 503 store_unavailable; every "
+        "command of the store is safe to send twice. Set it to your failover time (cluster-node-timeout and the "
+        "election: seconds). 0: no retry beyond one on a dead pooled connection",
     )
     redis_wait_timeout_ms: int = Field(
         1000, ge=1, description="with redis_wait_replicas: how long a write waits for its replicas to confirm it"

@@ -41,8 +41,8 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -50,8 +50,17 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import (
+    ClusterDownError,
+    MasterDownError,
+    NoScriptError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.buffers import GrowableArray
 from gateway.chat.conversation import ChatRecord
@@ -62,6 +71,18 @@ from gateway.store import Branch, Session, SessionQuery, SessionStore, Trajector
 log = logging.getLogger("gateway.redis_store")
 
 Client = aioredis.Redis | RedisCluster
+T = TypeVar("T")
+# What a store failing over answers (a node down or frozen, a cluster electing a new master, a write reaching a demoted
+# one): ``RedisSessionStore._patient`` sends the command again while retry_s lasts.
+TRANSIENT = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    TryAgainError,
+    ReadOnlyError,
+    MasterDownError,
+    RedisClusterException,
+)
 Staged = Sequence[tuple[str, memoryview]]
 Wait = tuple[int, int]  # replicas, timeout (ms)
 
@@ -94,7 +115,7 @@ STAGE_TTL_MS = 60_000  # a staging key whose write never ran (its answer lost, t
 INDEX_WAIT_S = 1.0
 # A lease whose value ends so belongs to a replica that heartbeats; its heartbeat lasts this many beats.
 HEARTBEAT_MARK = ":h"
-HEARTBEAT_MISSES = 3
+HEARTBEAT_MISSES = 5  # longer than a Redis Cluster failover, during which no beat gets through
 
 # Every command the store sends Redis and every command its scripts run (Redis checks those against the user's ACL
 # too): all its ACL user needs (``acl_rules``). The cluster client also asks the nodes for their map of the slots.
@@ -348,6 +369,7 @@ class RedisSessionStore(SessionStore):
         heartbeat_s: float = 0.0,
         wait_replicas: int = 0,
         wait_timeout_ms: int = 1000,
+        retry_s: float = 0.0,
     ) -> None:
         super().__init__(max_sessions, max_session_tokens=max_session_tokens, max_stored_bytes=None)
         self._url = url
@@ -357,6 +379,7 @@ class RedisSessionStore(SessionStore):
         # replica whose key is gone is taken over at once rather than waited out (0: no heartbeat, leases run out).
         self._heartbeat_s = heartbeat_s
         self._wait: Wait | None = (wait_replicas, wait_timeout_ms) if wait_replicas else None
+        self._retry_s = retry_s  # how long a command is sent again while the store fails over (``_patient``)
         self._instance = instance_id
         self._cache_bytes = max_stored_bytes
         # Redis drops a session's keys by itself once it is idle this long (0: never), even with no gateway left to
@@ -431,6 +454,23 @@ class RedisSessionStore(SessionStore):
         except (RedisError, RedisClusterException, OSError) as exc:
             raise StoreUnavailable(f"{what}: the Redis session store failed: {exc}", reason="redis") from exc
 
+    async def _patient(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, sent again while the store answers as one failing over does (``TRANSIENT``), for up to retry_s:
+        every command the store sends is safe to run twice (its scripts answer a resend as done, reads and index
+        updates are idempotent), and ``call`` builds its command afresh each time (a new fence deadline). The last
+        failure is raised as it is (``_errors`` makes it a 503)."""
+        give_up = time.monotonic() + self._retry_s
+        pause = 0.05
+        while True:
+            try:
+                return await call()
+            except TRANSIENT as exc:
+                if time.monotonic() + pause >= give_up:
+                    raise
+                log.info("session store: %s; sending it again in %.2fs", exc, pause)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 1.0)
+
     def _token(self) -> str:
         """A lease's value: the instance, a random part, and (``HEARTBEAT_MARK``) whether the instance heartbeats,
         so that only such a lease is ever taken over (a replica of a version without heartbeats never is)."""
@@ -471,7 +511,8 @@ class RedisSessionStore(SessionStore):
         if local is not None and local.busy:  # a turn runs here: this copy is the newest there is
             return local
         with self._errors("read"):
-            incarnation, stamp = await self.redis.hmget(self._keys.session(session_id), "incarnation", "stamp")
+            key = self._keys.session(session_id)
+            incarnation, stamp = await self._patient(lambda: self.redis.hmget(key, "incarnation", "stamp"))
         if stamp is None:
             self._forget(session_id)
             raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
@@ -564,8 +605,11 @@ class RedisSessionStore(SessionStore):
             raise
 
     async def _acquire(self, key: str, value: str, replacing: str = "") -> Any:
-        args = [value, self._lease_ms, self._deadline_ms(), replacing]
-        return await self._acquire_script(self.redis, [key, Keys.lease(key)], args)
+        return await self._patient(
+            lambda: self._acquire_script(
+                self.redis, [key, Keys.lease(key)], [value, self._lease_ms, self._deadline_ms(), replacing]
+            )
+        )
 
     async def _holder_is_dead(self, holder: str) -> bool:
         """Whether the replica holding a lease (its value ``holder``) stopped: it heartbeats (``HEARTBEAT_MARK``) and
@@ -635,14 +679,17 @@ class RedisSessionStore(SessionStore):
             )
 
     async def list_sessions(self) -> list[dict[str, Any]]:
-        with self._errors("list"):
+        async def read() -> tuple[list[str], list[Any]]:
             ids = [sid.decode() for sid in await self.redis.zrange(self._keys.index, 0, -1)]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for sid in ids:
                     key = self._keys.session(sid)
                     pipe.hget(key, "summary")
                     pipe.exists(Keys.lease(key))
-                answers = await pipe.execute()
+                return ids, await pipe.execute()
+
+        with self._errors("list"):
+            ids, answers = await self._patient(read)
         self._count = len(ids)
         summaries = []
         for summary, busy in zip(answers[::2], answers[1::2], strict=True):
@@ -656,7 +703,7 @@ class RedisSessionStore(SessionStore):
 
     async def holder(self, session_id: str) -> str | None:
         with self._errors("read"):
-            value = await self.redis.get(Keys.lease(self._keys.session(session_id)))
+            value = await self._patient(lambda: self.redis.get(Keys.lease(self._keys.session(session_id))))
         if value is None or session_id in self._leases:
             return None
         return value.decode().split(":")[0]
@@ -832,7 +879,12 @@ class RedisSessionStore(SessionStore):
                 keys.append(name)
                 where[name] = len(keys)
             args += (code, where[name], where[value] if code == "M" else value)
-        write = self._write_script(self.redis, keys, args, batch.staged, self._wait)
+
+        def send() -> Awaitable[Any]:
+            args[4] = self._deadline_ms()  # each send is fenced by its own deadline
+            return self._write_script(self.redis, keys, args, batch.staged, self._wait)
+
+        write = self._patient(send)
         # The index (another slot on a cluster, so maybe another master) is kept beside the script, never part of
         # its commit: a create adds the session, and its score (the sweep's idea of when it was last used) is pushed
         # forward now and then. An index update that fails is retried in the background (``_repair_index``) and
@@ -908,14 +960,13 @@ class RedisSessionStore(SessionStore):
         dead = ""  # the lease of a holder that stopped: it does not keep the session
         with self._errors("delete"):
             for _ in range(READ_ATTEMPTS):
-                stamp, samples = await self.redis.hmget(key, "stamp", "samples")
+                stamp, samples = await self._patient(lambda: self.redis.hmget(key, "stamp", "samples"))
                 if stamp is None:
                     answer = [b"missing"]
                 else:
                     keys = [key, Keys.lease(key), *Keys.all(key, orjson.loads(samples))[1:]]
-                    answer = await self._delete_script(
-                        self.redis, keys, [stamp, "" if idle_before is None else idle_before, dead]
-                    )
+                    args = [stamp, "" if idle_before is None else idle_before, dead]
+                    answer = await self._patient(lambda: self._delete_script(self.redis, keys, args))  # noqa: B023
                 status = answer[0].decode()
                 if status == "changed":
                     continue
@@ -942,21 +993,12 @@ class RedisSessionStore(SessionStore):
         key = self._keys.session(session_id)
         with self._errors("read"):
             for _ in range(READ_ATTEMPTS):
-                fields = {k.decode(): v for k, v in (await self.redis.hgetall(key)).items()}
+                fields = {k.decode(): v for k, v in (await self._patient(lambda: self.redis.hgetall(key))).items()}
                 if "stamp" not in fields:
                     self._forget(session_id)
                     raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
                 layout = orjson.loads(fields["samples"])
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for sample in layout:
-                        pipe.get(Keys.part(key, sample["id"], "meta"))
-                        for name, chunks in sample["chunks"].items():
-                            for number in range(chunks):
-                                pipe.get(Keys.chunk(key, sample["id"], name, number))
-                        pipe.lrange(Keys.part(key, sample["id"], "turns"), 0, -1)
-                        pipe.get(Keys.part(key, sample["id"], "text"))
-                    pipe.hget(key, "stamp")  # unchanged since the hash was read: no write landed in between
-                    answers = await pipe.execute()
+                answers = await self._patient(lambda: self._read_parts(key, layout))  # noqa: B023
                 if answers[-1] == fields["stamp"]:
                     break
             else:
@@ -971,6 +1013,20 @@ class RedisSessionStore(SessionStore):
         }
         self._trim_cache()
         return session
+
+    async def _read_parts(self, key: str, layout: list[dict[str, Any]]) -> list[Any]:
+        """Every key of the samples ``layout`` lists, in ``_read_sample``'s order, then the hash's stamp (unchanged
+        since the hash was read: no write landed in between), in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for sample in layout:
+                pipe.get(Keys.part(key, sample["id"], "meta"))
+                for name, chunks in sample["chunks"].items():
+                    for number in range(chunks):
+                        pipe.get(Keys.chunk(key, sample["id"], name, number))
+                pipe.lrange(Keys.part(key, sample["id"], "turns"), 0, -1)
+                pipe.get(Keys.part(key, sample["id"], "text"))
+            pipe.hget(key, "stamp")
+            return await pipe.execute()
 
     # ---- the local copies ------------------------------------------------------------------------------------
     def _forget(self, session_id: str) -> None:

@@ -17,8 +17,10 @@ The transport (``slime_wire.http1``) says on which side of that line a failure f
   balancer's own 502 (no gateway answered). Without ``sync`` a model turn that may have run is never resubmitted:
   the gateway may have folded it, and a second copy would add a second turn.
 - A retry answered 409 ``session_busy`` is retried too: the session is held by the earlier attempt (still running, or
-  held by a replica that died with it until another replica takes the hold over), and nothing ran. A first attempt's
-  409 is the caller's own concurrent use and is raised at once.
+  held by a replica that died with it until another replica takes the hold over), and nothing ran. So is a resendable
+  request's first attempt (the session may be held by the caller's own previous request that failed, on a replica
+  that died with it; once the session is free its ``sync`` is checked again). Otherwise a first attempt's 409 is the
+  caller's own concurrent use and is raised at once.
 - The wait is the gateway's ``Retry-After`` when it sends one, else exponential backoff with jitter.
 """
 
@@ -82,7 +84,7 @@ def retryable_status(
     if status == 503 and reason == "unconfirmed":  # written, maybe: like a turn that may have run
         return idempotent or resendable
     if status == 409:
-        return retrying and error_type == "session_busy"
+        return (retrying or resendable) and error_type == "session_busy"
     if status == 502 and error_type is None and resendable:  # a load balancer's: no gateway answered
         return True
     return status in (RETRY_STATUSES_IDEMPOTENT if idempotent else RETRY_STATUSES_ANY)

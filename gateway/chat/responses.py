@@ -666,7 +666,7 @@ class EventWriter:
             return {"type": "reasoning_text", "text": text}
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def _close(self, status: str = "completed") -> bytes:
+    def _close(self) -> bytes:
         assert self._open is not None
         kind, text, index = self._open, "".join(self._text), len(self._output)
         item_id = self._item_id(kind)
@@ -678,7 +678,7 @@ class EventWriter:
                 {"item_id": item_id, "output_index": index, "content_index": 0, "part": self._part(kind, text)},
             ),
         ]
-        item = self._item(kind, status)
+        item = self._item(kind, "completed")
         out.append(self._event("response.output_item.done", {"output_index": index, "item": item}))
         self._output.append(item)
         self._open = None
@@ -694,12 +694,12 @@ class EventWriter:
             and not any(item["type"] == "message" for item in self._output)
         ):
             out.append(self._delta("message", ""))  # every answer has a message or a call, as in a unary one
-        if self._open is not None:  # a failed turn's text was not kept: its item ends incomplete
-            out.append(self._close("completed" if reply is not None else "incomplete"))
-        if reply is None:
+        if reply is None:  # not kept: an item still open is left unfinished (a client would keep a done item)
             failure = _failure(event.error or {})
             out.append(self._event("response.failed", {"response": self._response("failed", error=failure)}))
             return b"".join(out)
+        if self._open is not None:
+            out.append(self._close())
         for call in reply.message.tool_calls:
             out.append(self._call(call))
         status, incomplete = _status(reply)
