@@ -158,15 +158,17 @@ class HistoryMismatch(SessionConflict):
 
 class StoreUnavailable(GatewayError):
     """The shared session store (Redis) did not answer, or refused: nothing was written (a turn's fold is written in
-    one transaction, or not at all). Safe to retry once the store is back. One exception, ``reason`` ``unconfirmed``
-    (``GATEWAY_REDIS_WAIT_REPLICAS``): written, but not confirmed by the replicas asked for, so it may or may not
-    survive a failover; a retry is safe only with ``sync``."""
+    one transaction, or not at all). Safe to retry once the store is back. Two exceptions, which a client may retry
+    only with ``sync``: ``reason`` ``unconfirmed`` (``GATEWAY_REDIS_WAIT_REPLICAS``: written, but not confirmed by the
+    replicas asked for, so it may or may not survive a failover) and ``unknown`` (a write sent, and Redis never
+    answered again: whether it happened is unknown)."""
 
     status_code = 503
     error_type = "store_unavailable"
+    MAYBE_WRITTEN: ClassVar[frozenset[str]] = frozenset({"unconfirmed", "unknown"})
 
     def response_headers(self) -> dict[str, str]:
-        if self.details.get("reason") == "unconfirmed":
+        if self.details.get("reason") in self.MAYBE_WRITTEN:
             return {"x-should-retry": "false"}
         return retry_headers()
 

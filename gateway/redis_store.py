@@ -184,7 +184,11 @@ local function refuse(answer)
   return answer
 end
 local found = redis.call('HMGET', KEYS[1], 'incarnation', 'stamp')
-if found[2] == ARGV[4] then return refuse('done') end
+if found[2] == ARGV[4] then
+  -- Already written (a resend): the same stamp again, so that a WAIT after this command covers that write too.
+  redis.call('HSET', KEYS[1], 'stamp', ARGV[4])
+  return refuse('done')
+end
 local mine = ARGV[1] ~= '' and redis.call('GET', KEYS[2]) == ARGV[1]
 if past(ARGV[5]) then
   if mine then redis.call('DEL', KEYS[2]) end
@@ -890,11 +894,14 @@ class RedisSessionStore(SessionStore):
         # forward now and then. An index update that fails is retried in the background (``_repair_index``) and
         # never fails the write, which has happened; the sweep checks the session's own time before it deletes.
         index = self._index_soon(sid, session.updated_at) if not base or refresh else None
-        answer, confirmed = await write if self._wait is not None else (await write, None)
-        if index is not None:
-            await index
-        answer = answer.decode() if isinstance(answer, bytes) else str(answer)
-        if self._wait is not None and answer == "ok" and confirmed is not None and confirmed < self._wait[0]:
+        try:
+            answer, confirmed = await self._commit(write)
+        except TRANSIENT as exc:
+            answer, confirmed = await self._resolve(sid, key, batch.stamp, send, exc)
+        finally:
+            if index is not None:
+                await index
+        if self._wait is not None and answer in ("ok", "done") and confirmed is not None and confirmed < self._wait[0]:
             # Written on its master, which no replica has confirmed yet: it may not survive a failover. Neither an
             # acknowledgement nor "nothing was written".
             raise StoreUnavailable(
@@ -910,6 +917,36 @@ class RedisSessionStore(SessionStore):
             if refresh or not base:
                 self._ttl_refreshed[sid] = time.monotonic()
         return answer
+
+    async def _commit(self, write: Awaitable[Any]) -> tuple[str, int | None]:
+        """A write script's answer, and how many replicas confirmed it (None: not asked)."""
+        answer, confirmed = await write if self._wait is not None else (await write, None)
+        return (answer.decode() if isinstance(answer, bytes) else str(answer)), confirmed
+
+    async def _resolve(
+        self, sid: str, key: str, stamp: str, send: Callable[[], Awaitable[Any]], exc: Exception
+    ) -> tuple[str, int | None]:
+        """A write whose answer never came (Redis timed out, or went away, with it) may have run. Once Redis answers,
+        the session's stamp says which: the write's own (it ran: ``done``; sent once more when replicas must
+        confirm it, a resend answering ``done`` and then waiting for them), or not (nothing was written: every attempt
+        is past its fence by now, and ``exc`` is raised, a 503 that says so). No answer at all: unknown, said so."""
+        try:
+            now = await self._patient(lambda: self.redis.hget(key, "stamp"))
+        except TRANSIENT:
+            raise StoreUnavailable(
+                f"session {sid!r}: its write was sent and Redis did not answer ({exc}): whether it was written is "
+                "unknown",
+                reason="unknown",
+            ) from exc
+        if now is None or now.decode() != stamp:
+            raise exc
+        log.info("session %s: a write whose answer was lost had happened", sid)
+        if self._wait is None:
+            return "done", None
+        try:
+            return await self._commit(self._patient(send))
+        except TRANSIENT:
+            return "done", 0  # written, not confirmed: StoreUnavailable unconfirmed
 
     def _check_written(self, sid: str, answer: str) -> None:
         if answer in ("ok", "done"):

@@ -7,15 +7,15 @@ The transport (``slime_wire.http1``) says on which side of that line a failure f
 - Any request may be retried when it never left this process (``NotSent``: the connection could not be made or
   timed out connecting, no connection slot came free in time, or the gateway closed a connection before the
   request reached it), or when the gateway answered 503 (SGLang or the session store unreachable or overloaded: the
-  gateway leaves a failed turn's session exactly as it was, so sending the turn again cannot double it; the one 503
-  that may have written, ``reason: unconfirmed``, is retried only as a resendable request below).
+  gateway leaves a failed turn's session exactly as it was, so sending the turn again cannot double it; the 503s
+  that may have written, ``reason`` ``unconfirmed`` or ``unknown``, are retried only as resendable requests below).
 - Only idempotent requests (reads, DELETE) are also retried after the request may have arrived (``SentError``: the
   call's deadline passed, the connection broke, the answer was not valid HTTP), and after 502 and 504.
 - A resendable request (a turn or append that carries ``sync``: the gateway refuses to run it on a session that is
   not what the caller believes, 409 ``session_mismatch``) is also re-sent when not a byte of an answer came
   (``NoAnswer``: the replica died with it, or a load balancer closed the connection for it) and after a load
-  balancer's own 502 (no gateway answered). Without ``sync`` a model turn that may have run is never resubmitted:
-  the gateway may have folded it, and a second copy would add a second turn.
+  balancer's own 502 (no gateway answered), and after a 503 that may have written. Without ``sync`` a model turn that
+  may have run is never resubmitted: the gateway may have folded it, and a second copy would add a second turn.
 - A retry answered 409 ``session_busy`` is retried too: the session is held by the earlier attempt (still running, or
   held by a replica that died with it until another replica takes the hold over), and nothing ran. So is a resendable
   request's first attempt (the session may be held by the caller's own previous request that failed, on a replica
@@ -50,6 +50,9 @@ RESENDABLE_ERRORS: tuple[type[TransportError], ...] = (NoAnswer,)
 RETRY_STATUSES_ANY = frozenset({503})
 # Statuses where the request may have had an effect: only idempotent requests are sent again.
 RETRY_STATUSES_IDEMPOTENT = frozenset({502, 503, 504})
+# The gateway's 503 ``store_unavailable`` reasons that mean the write may have happened (its store's replicas did not
+# confirm it, or Redis never answered it): like a turn that may have run.
+MAYBE_WRITTEN = frozenset({"unconfirmed", "unknown"})
 
 
 def retry_delay(attempt: int, *, rand: Callable[[], float] = random.random, retry_after: float | None = None) -> float:
@@ -81,7 +84,7 @@ def retryable_status(
 ) -> bool:
     """May a request answered with ``status`` be sent again? ``error_type`` and ``reason``: the gateway's error body
     (``error_type`` None: not a gateway's answer, a proxy's); ``retrying``: an earlier attempt may have arrived."""
-    if status == 503 and reason == "unconfirmed":  # written, maybe: like a turn that may have run
+    if status == 503 and reason in MAYBE_WRITTEN:  # written, maybe: like a turn that may have run
         return idempotent or resendable
     if status == 409:
         return (retrying or resendable) and error_type == "session_busy"

@@ -66,7 +66,7 @@ def fleet_env(url: str) -> dict[str, str]:
         "GATEWAY_REDIS_WAIT_REPLICAS": "1",
         "GATEWAY_REDIS_WAIT_TIMEOUT_MS": "3000",
         "GATEWAY_REDIS_HEARTBEAT_S": "1",
-        "GATEWAY_REDIS_RETRY_S": "10",
+        "GATEWAY_REDIS_RETRY_S": "20",
         "GATEWAY_DRAIN_S": "2",
         "GATEWAY_API_KEY": KEY,
         "GATEWAY_CHAT_CONTEXT_TOKENS": "262144",
@@ -272,7 +272,27 @@ async def one_turn(session: Session, copy: Copy, tally: Tally, rng: random.Rando
 
 async def verify(session: Session, copy: Copy, tally: Tally, *, prefix_only: bool = False) -> None:
     """The session's sample against the rollout's copy, token for token (``prefix_only``: the copy must be a
-    prefix, the rest is an orphan turn)."""
+    prefix, the rest is an orphan turn). A read that disagrees is read again a few times first: a Redis master frozen
+    and failed over answers with its old data until it learns of its demotion."""
+    for attempt in range(STALE_READ_CHECKS):
+        outcome = await compare(session, copy, tally, prefix_only=prefix_only)
+        if outcome == "exact":
+            if attempt:
+                tally.error("a stale read, exact when read again")
+            if not prefix_only:
+                tally.add(rollouts=1)
+            await delete_quietly(session)
+            return
+        if outcome == "unread":
+            tally.add(rollouts_unfinished=1)
+            return
+        await asyncio.sleep(1.0)
+    tally.add(**{outcome: 1})
+    tally.note(f"{session.session_id}: {outcome}: the session is not what its client was answered")
+
+
+async def compare(session: Session, copy: Copy, tally: Tally, *, prefix_only: bool) -> str:
+    """exact, lost, duplicated, half_written, or unread."""
     for _ in range(30):
         try:
             sample = await session.fetch()
@@ -281,28 +301,20 @@ async def verify(session: Session, copy: Copy, tally: Tally, *, prefix_only: boo
             tally.error(f"fetch: {error_kind(exc)}")
             await asyncio.sleep(0.5)
     else:
-        tally.add(rollouts_unfinished=1)
-        return
+        return "unread"
     tokens = sample.tokens.tolist()
     mask = sample.loss_mask.tolist()
     log_probs = sample.rollout_log_probs.tolist()
     n = len(copy.tokens)
     if prefix_only:
         tokens, mask, log_probs = tokens[:n], mask[: n - len(copy.prompt)], log_probs[: n - len(copy.prompt)]
-    exact = tokens == copy.tokens and mask == copy.mask
+    exact = tokens == copy.tokens and mask == copy.mask and len(log_probs) == len(copy.log_probs)
     exact = exact and all(known is None or known == got for known, got in zip(copy.log_probs, log_probs, strict=True))
     if exact:
-        if not prefix_only:
-            tally.add(rollouts=1)
-        await delete_quietly(session)
-        return
+        return "exact"
     if len(tokens) < n:
-        tally.add(lost=1)
-    elif len(tokens) > n:
-        tally.add(duplicated=1)
-    else:
-        tally.add(half_written=1)
-    tally.note(f"{session.session_id}: holds {len(tokens)} tokens, the client was answered {n}; not exact")
+        return "lost"
+    return "duplicated" if len(tokens) > n else "half_written"
 
 
 async def delete_quietly(session: Session) -> None:
@@ -403,27 +415,62 @@ def check_session(
         tally.add(lost=1)
         return
     data = view.json()
-    branches = len(data["branches"])
     chat = data.get("chat") or {}
     recorded = [m for m in (chat.get("record") or {}).get("messages", []) if m["role"] == "assistant"]
-    try:
-        if answers is not None:
-            check_trajectory(fleet.url, sid, tokenizer, answers, AUTH, branches=branches)
-            if branches != 1:
-                tally.add(duplicated=1)
-                tally.note(f"{which} {sid}: {branches} branches (a turn committed twice)")
-                return
-            results = [m["content"] for m in chat["record"]["messages"] if m["role"] == "tool"]
-            if not any(word in r for r in results):
+    for attempt in range(STALE_READ_CHECKS):
+        try:
+            check_run(fleet, tally, which, sid, tokenizer, answers, word, data, recorded)
+        except AssertionError as exc:
+            if attempt + 1 == STALE_READ_CHECKS:
                 tally.add(half_written=1)
-                tally.note(f"{which} {sid}: the tool's output is not in the record")
+                shape = [(b["branch"], b["turns"], b.get("cause")) for b in data["branches"]]
+                roles = [m["role"] for m in (chat.get("record") or {}).get("messages", [])]
+                tally.note(f"{which} {sid}: not token-exact: {str(exc)[:300]}; branches {shape}; record {roles}")
                 return
-            tally.add(harness_exact=1)
-        elif recorded:
+            # A Redis master that was frozen and failed over answers with its old data until it learns of its
+            # demotion: a read then may be stale. Read again once the cluster settled.
+            time.sleep(1.0)
+            data = httpx.get(f"{fleet.url}/v1/sessions/{sid}", params={"full": "true"}, headers=AUTH, timeout=30).json()
+            chat = data.get("chat") or {}
+            recorded = [m for m in (chat.get("record") or {}).get("messages", []) if m["role"] == "assistant"]
+            continue
+        if attempt:
+            tally.error("a stale read, exact when read again")
+        return
+
+
+STALE_READ_CHECKS = 5
+
+
+def check_run(
+    fleet: ChaosFleet,
+    tally: Tally,
+    which: str,
+    sid: str,
+    tokenizer: Any,
+    answers: list[str] | None,
+    word: str,
+    data: dict[str, Any],
+    recorded: list[dict[str, Any]],
+) -> None:
+    """``check_session``'s checks on one read of the session; AssertionError when it is not token-exact."""
+    branches = len(data["branches"])
+    chat = data.get("chat") or {}
+    if answers is None:  # a failed run: whatever it recorded is exact
+        if recorded:
             check_partial(fleet, sid, tokenizer, len(recorded), word, which)
-    except AssertionError as exc:
+        return
+    check_trajectory(fleet.url, sid, tokenizer, answers, AUTH, branches=branches)
+    if branches != 1:
+        tally.add(duplicated=1)
+        tally.note(f"{which} {sid}: {branches} branches (a turn committed twice)")
+        return
+    results = [m["content"] for m in chat["record"]["messages"] if m["role"] == "tool"]
+    if not any(word in r for r in results):
         tally.add(half_written=1)
-        tally.note(f"{which} {sid}: not token-exact: {str(exc)[:300]}")
+        tally.note(f"{which} {sid}: the tool's output is not in the record")
+        return
+    tally.add(harness_exact=1)
 
 
 def check_partial(fleet: ChaosFleet, sid: str, tokenizer: Any, assistant_turns: int, word: str, which: str) -> None:

@@ -342,3 +342,67 @@ def test_with_wait_replicas_an_acknowledged_turn_survives_its_masters_failover(
                 assert time.monotonic() < deadline, after.text
                 time.sleep(0.2)
             assert after.json()["total_tokens"] == held + answer.json()["completion_tokens"]
+
+
+# ---- a write whose answer was lost ---------------------------------------------------------------------------------
+# The store's layer alone, on a real Redis: the network between them loses the write script's answer (it raises
+# a timeout after the script ran, or before it reached Redis). The store must find out which from Redis.
+@contextmanager
+def losing_the_next_write(ran: bool) -> Iterator[None]:
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from gateway import redis_store
+
+    original = redis_store.Script._run
+    state = {"armed": True}
+
+    write = redis_store.Script(redis_store._WRITE)
+
+    async def run(client: Any, command: str, script: str, keys: list[str], *rest: Any) -> Any:
+        if state["armed"] and script in (write.sha, write.text):
+            state["armed"] = False
+            if ran:
+                await original(client, command, script, keys, *rest)
+            raise RedisTimeoutError("Timeout reading from socket (the answer was lost)")
+        return await original(client, command, script, keys, *rest)
+
+    redis_store.Script._run = staticmethod(run)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        redis_store.Script._run = staticmethod(original)  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("ran", [True, False], ids=["written", "not-written"])
+async def test_a_write_whose_answer_was_lost_is_settled_from_redis(redis_server: Any, ran: bool) -> None:
+    import numpy as np
+
+    from gateway.errors import StoreUnavailable
+    from gateway.redis_store import RedisSessionStore
+    from gateway.sample import SessionSample
+
+    store = RedisSessionStore(
+        redis_server.url, prefix=f"lost-{uuid.uuid4().hex[:6]}", lease_s=30, instance_id="x", max_sessions=100
+    )
+    await store.start()
+    try:
+        await store.create(SessionSample.from_prompt(PROMPT), session_id="s")
+        trajectory = await store.acquire("s")
+        trajectory.sample.append_tool_tokens(np.array([7, 8, 9], np.int32))
+        with losing_the_next_write(ran):
+            if ran:  # it happened: the turn is kept and answered as such
+                await store.release(trajectory)
+            else:  # it did not: a 503 that says nothing was written (true), and the session as before
+                with pytest.raises(StoreUnavailable) as caught:
+                    await store.release(trajectory)
+                assert caught.value.details["reason"] == "redis"
+        prefix = store._keys.prefix
+        fresh = RedisSessionStore(redis_server.url, prefix=prefix, lease_s=30, instance_id="y", max_sessions=9)
+        await fresh.start()
+        try:
+            held = (await fresh.get("s")).sample.tokens.view().tolist()
+        finally:
+            await fresh.aclose()
+        assert held == PROMPT + ([7, 8, 9] if ran else [])
+    finally:
+        await store.aclose()
