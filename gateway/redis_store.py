@@ -278,17 +278,27 @@ class Script:
     ) -> Any:
         if not staged and wait is None:
             return await client.execute_command(command, script, len(keys), *keys, *args)
+        node = client.get_node_from_key(keys[0]) if wait is not None and isinstance(client, RedisCluster) else None
         async with client.pipeline(transaction=False) as pipe:
             for key, payload in staged:
                 pipe.set(key, payload, px=STAGE_TTL_MS)
             pipe.execute_command(command, script, len(keys), *keys, *args)  # (a cluster pipeline has no .evalsha)
-            if wait is not None:
-                # WAIT counts the replicas that have this connection's writes: it must go on the script's connection,
-                # which a pipeline's commands for one node share (on a cluster: sent to the node of the keys' slot).
-                where = {"target_nodes": client.get_node_from_key(keys[0])} if isinstance(client, RedisCluster) else {}
-                pipe.execute_command("WAIT", wait[0], wait[1], **where)
-            answers = await pipe.execute()
-        return answers[-1] if wait is None else (answers[-2], int(answers[-1]))
+            if wait is None:
+                return (await pipe.execute())[-1]
+            # WAIT counts the replicas that have this connection's writes: it must go on the script's connection,
+            # which a pipeline's commands for one node share (on a cluster: sent to the node of the keys' slot).
+            pipe.execute_command("WAIT", wait[0], wait[1], **({} if node is None else {"target_nodes": node}))
+            answers = await pipe.execute(raise_on_error=False)
+        for answer in answers[:-1]:
+            if isinstance(answer, Exception):
+                raise answer
+        moved = node is not None and client.get_node_from_key(keys[0]).name != node.name
+        if isinstance(answers[-1], Exception) or moved:
+            # The script was redirected to another node (a failover: MOVED) and ran there, its WAIT did not (it
+            # failed on the old node, or counted another connection's writes): send it again, which answers done
+            # and waits on the right connection.
+            raise TryAgainError(f"the write's node changed under it ({answers[-1] if not moved else 'moved'})")
+        return answers[-2], int(answers[-1])
 
 
 class Keys:
@@ -659,7 +669,8 @@ class RedisSessionStore(SessionStore):
                         answer = await self._write(
                             session, lease=value, incarnation=cached[0], base=cached[1], only=only, keep=not last
                         )
-                except StoreUnavailable:
+                except StoreUnavailable as exc:
+                    log.warning("session %s: the write of what its turn changed failed: %s", sid, exc.message)
                     if last:
                         self._let_go(sid, value)  # no answer: whether it ran is unknown
                     raise
@@ -811,10 +822,12 @@ class RedisSessionStore(SessionStore):
         ttl_ms = int(self._heartbeat_s * HEARTBEAT_MISSES * 1000)
         alive = orjson.dumps({"instance_id": self._instance, "started_at": time.time()})
         while True:
-            try:
-                await self.redis.set(key, alive, px=ttl_ms)
-            except (RedisError, RedisClusterException, OSError, StoreUnavailable) as exc:
-                log.warning("session store: the heartbeat failed: %s", exc)
+            try:  # a beat that would wait longer than a beat (a frozen node) is dropped: the next one goes at once
+                await asyncio.wait_for(self.redis.set(key, alive, px=ttl_ms), self._heartbeat_s)
+            except (RedisError, RedisClusterException, OSError, StoreUnavailable, TimeoutError) as exc:
+                log.warning("session store: the heartbeat failed: %s", exc or "no answer within a beat")
+                await asyncio.sleep(min(0.2, self._heartbeat_s))
+                continue
             await self._repair_index()
             await asyncio.sleep(self._heartbeat_s)
 

@@ -70,7 +70,7 @@ def fleet_env(url: str) -> dict[str, str]:
         "GATEWAY_DRAIN_S": "2",
         "GATEWAY_API_KEY": KEY,
         "GATEWAY_CHAT_CONTEXT_TOKENS": "262144",
-        "GATEWAY_LOG_LEVEL": "warning",
+        "GATEWAY_LOG_LEVEL": "info",
     }
 
 
@@ -95,7 +95,7 @@ def chaos_fleet(directory: Path, tokenizer_dir: Path) -> Iterator[ChaosFleet]:
         cluster = stack.enter_context(redis_cluster(directory / "cluster", replicas=2))
         env = fleet_env(cluster.url)
         args = ("--upstream-url", sim.url, "--tokenizer", str(tokenizer_dir))
-        replicas = [Replica(f"gw{n}", free_port(), args, env) for n in (1, 2, 3)]
+        replicas = [Replica(f"gw{n}", free_port(), args, env, log_dir=directory / "logs") for n in (1, 2, 3)]
         for replica in replicas:
             stack.callback(replica.stop)
         with ThreadPoolExecutor(len(replicas)) as pool:  # each loads the tokenizer: seconds
@@ -508,7 +508,8 @@ def harness_workers(
 
 # ---- faults --------------------------------------------------------------------------------------------------------
 def inject(fleet: ChaosFleet, fault: str, tally: Tally, stop: threading.Event, rng: random.Random) -> None:
-    """Inject ``fault`` again and again until ``stop``, leaving the fleet whole after each."""
+    """Inject ``fault`` again and again until ``stop``, leaving the fleet whole after each (a fault the fleet did not
+    recover from in time is noted, and the next one waits for it)."""
     step: Callable[[], None] = {
         "none": lambda: None,
         "kill": lambda: kill_a_replica(fleet, rng),
@@ -519,7 +520,11 @@ def inject(fleet: ChaosFleet, fault: str, tally: Tally, stop: threading.Event, r
     pause_s = {"none": 1.0, "kill": 6.0, "rolling": 2.0, "failover": 6.0, "pause": 6.0}[fault]
     stop.wait(3.0)  # the load is under way
     while not stop.is_set():
-        step()
+        try:
+            step()
+        except RuntimeError as exc:
+            tally.note(f"{fault}: the fleet was slow to recover: {exc}")
+            wait_for_replicas(fleet.cluster, timeout_s=300)
         if fault != "none":
             tally.add(faults=1)
         stop.wait(pause_s)
@@ -575,21 +580,21 @@ def is_master(node: Any) -> bool:
         return False
 
 
-def wait_for_replicas(cluster: Cluster, timeout_s: float = 60.0) -> None:
+def wait_for_replicas(cluster: Cluster, timeout_s: float = 120.0) -> None:
     """Until every master has two replicas online again."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         ready = True
-        for node in cluster.nodes:
-            try:
+        try:
+            with cluster.client() as client:  # the masters that serve slots (not one that lost its slots)
+                masters = [cluster.node_on(int(node.port)) for node in client.get_primaries()]
+            for node in masters:
                 with node.client(socket_timeout=1) as client:
                     info = client.info("replication")
-            except Exception:
-                ready = False
-                break
-            if info["role"] == "master":
                 online = [info[f"slave{n}"] for n in range(info.get("connected_slaves", 0))]
                 ready = ready and sum(r["state"] == "online" for r in online) >= 2
+        except Exception:
+            ready = False
         if ready:
             return
         time.sleep(0.2)

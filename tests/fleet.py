@@ -226,6 +226,7 @@ class Replica:
     port: int
     args: tuple[str, ...]
     env: dict[str, str]
+    log_dir: Path | None = None  # where each run's output is kept (appended) once it stops
     running: RunningProcess | None = None
     _stack: ExitStack = field(default_factory=ExitStack)
 
@@ -249,8 +250,7 @@ class Replica:
             return
         self.running.proc.send_signal(signal.SIGKILL)
         self.running.proc.wait(10)
-        self._stack.close()
-        self.running = None
+        self._close()
 
     def terminate(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, as an orchestrator stops it (the gateway drains, then exits); its exit code."""
@@ -258,11 +258,17 @@ class Replica:
         proc = self.running.proc
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout_s)
-        self._stack.close()
-        self.running = None
+        self._close()
         return code
 
     def stop(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.running is not None and self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.log_dir / f"{self.name}.log", "a") as log:
+                log.write(self.running.output())
         self._stack.close()
         self.running = None
 
