@@ -477,7 +477,12 @@ class RedisSessionStore(SessionStore):
         pause = 0.05
         while True:
             try:
-                return await call()
+                try:
+                    return await call()
+                except (AttributeError, RuntimeError) as exc:
+                    # redis-py's asyncio cluster client, when a failover makes it drop a node's connections, can
+                    # raise these from a command whose connection closed under it: a lost connection, as they mean.
+                    raise RedisConnectionError(f"the connection closed under the command ({exc!r})") from exc
             except TRANSIENT as exc:
                 if time.monotonic() + pause >= give_up:
                     raise

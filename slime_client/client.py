@@ -40,7 +40,7 @@ DEFAULT_TIMEOUT = 900.0
 DEFAULT_CONNECT_TIMEOUT = 5.0  # opening one connection (within the call's deadline)
 # Retries: enough to ride out a failover (a replica behind a load balancer, a Redis Cluster node: seconds), never
 # past DEFAULT_RETRY_FOR_S after the first attempt (see ``slime_client._retry``).
-DEFAULT_MAX_RETRIES = 10
+DEFAULT_MAX_RETRIES = 30
 DEFAULT_RETRY_FOR_S = 30.0
 # A trainer keeps hundreds of turns in flight (slime: server concurrency x engines).
 DEFAULT_MAX_CONNECTIONS = 1024
@@ -83,7 +83,7 @@ class GatewayClient:
     ``timeout`` (seconds, default ``DEFAULT_TIMEOUT``: 900) is the deadline of each HTTP exchange: connecting,
     sending and the whole answer, a streamed turn to its last event; a retry gets a deadline of its own. Past it
     the call raises ``GatewayTimeoutError``. ``connect_timeout`` (default 5 s) bounds opening one connection
-    within that. ``max_retries`` (default 10) and ``retry_for_s`` (default 30: no retry starts later than this after the
+    within that. ``max_retries`` (default 30) and ``retry_for_s`` (default 30: no retry starts later than this after the
     first attempt) bound the retries of failures that are safe to retry, honouring the gateway's ``Retry-After``
     (see ``slime_client._retry``).
     The client holds one pool of keep-alive connections (``slime_wire.http1``), bound to the event loop that first

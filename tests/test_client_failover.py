@@ -122,8 +122,9 @@ async def test_a_first_attempts_409_is_the_callers_own_and_raised_at_once_unless
     assert len(script.requests) == 2
 
 
-async def test_a_503_that_may_have_written_is_sent_again_only_with_sync() -> None:
-    unconfirmed = answer(503, {"error": {"type": "store_unavailable", "message": "x", "reason": "unconfirmed"}})
+@pytest.mark.parametrize("reason", ["unconfirmed", "unknown"])
+async def test_a_503_that_may_have_written_is_sent_again_only_with_sync(reason: str) -> None:
+    unconfirmed = answer(503, {"error": {"type": "store_unavailable", "message": "x", "reason": reason}})
     with Script(unconfirmed, TURN) as script:
         async with script.client() as gw:
             with pytest.raises(ServiceUnavailableError):

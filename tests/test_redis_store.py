@@ -560,7 +560,9 @@ def test_a_turn_writes_only_its_new_bytes_in_one_round_trip(simulator: Service, 
     commands (the lease taken as the session's stamp is read, then one script that writes and lets go)."""
     client = redis.Redis(port=redis_server.port)
     sid = f"bytes-{uuid.uuid4().hex[:8]}"
-    with replicas(simulator.url, redis_server.url, count=1, GATEWAY_REDIS_LEASE_S="60") as (gateway,):
+    # (no heartbeat: its SET every second is no command of the append's)
+    quiet = {"GATEWAY_REDIS_LEASE_S": "60", "GATEWAY_REDIS_HEARTBEAT_S": "0"}
+    with replicas(simulator.url, redis_server.url, count=1, **quiet) as (gateway,):
         create(gateway, sid, prompt_ids=list(range(20_000)))
         sent, commands = [], []
         for _ in range(3):
