@@ -121,7 +121,7 @@ HEARTBEAT_MISSES = 5  # longer than a Redis Cluster failover, during which no be
 # too): all its ACL user needs (``acl_rules``). The cluster client also asks the nodes for their map of the slots.
 REDIS_COMMANDS = (
     # the store's own
-    "evalsha", "eval", "script|load", "get", "set", "del", "exists", "hget", "hmget", "hgetall", "lrange",
+    "evalsha", "eval", "script|load", "get", "mget", "set", "del", "exists", "hget", "hmget", "hgetall", "lrange",
     "zadd", "zrem", "zcard", "zrange", "zrangebyscore", "time", "wait", "publish", "subscribe",
     # its scripts'
     "hset", "append", "rename", "pexpire", "persist", "rpush",
@@ -322,8 +322,9 @@ class Keys:
         return f"{self.prefix}:fleet"
 
     def instance(self, instance_id: str) -> str:
-        """A gateway replica's heartbeat (``RedisSessionStore._heartbeats``)."""
-        return f"{self.prefix}:instance:{instance_id}"
+        """A gateway replica's heartbeat (``RedisSessionStore._heartbeats``). Every replica's in one slot (the hash
+        tag ``{instances}``), so that one round trip reads a holder's and one's own."""
+        return f"{self.prefix}:{{instances}}:{instance_id}"
 
     @staticmethod
     def lease(session_key: str) -> str:
@@ -632,15 +633,18 @@ class RedisSessionStore(SessionStore):
 
     async def _holder_is_dead(self, holder: str) -> bool:
         """Whether the replica holding a lease (its value ``holder``) stopped: it heartbeats (``HEARTBEAT_MARK``) and
-        its instance key ran out. Any doubt (its key's node unreachable) counts as alive: a lease is taken over only
-        on proof, and even then a replica that was only slow loses nothing (its write is refused, nothing written)."""
+        its heartbeat ran out while this replica's own is there. Any doubt counts as alive: the heartbeats' node
+        unreachable, or this replica's own heartbeat missing too (that node frozen or failed over, so that no beat got
+        through). A lease is taken over only on proof, and even then a replica that was only slow loses nothing (its
+        write is refused: nothing written)."""
         instance = holder.split(":")[0]
         if not holder.endswith(HEARTBEAT_MARK) or instance == self._instance:
             return False
         try:
-            return not await self.redis.exists(self._keys.instance(instance))
+            theirs, mine = await self.redis.mget([self._keys.instance(instance), self._keys.instance(self._instance)])
         except (RedisError, RedisClusterException, OSError):
             return False
+        return theirs is None and mine is not None
 
     async def _put_back(self, session_id: str) -> None:
         """Undo one ``_take_lease`` that no turn used: the last one lets the lease go (nothing to write)."""

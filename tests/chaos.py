@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from chat_checks import check_trajectory, hermes_call
+import numpy as np
+from chat_checks import full_view, hermes_call, render_ids, session_sample, template_messages
 from conftest import Service, run_simulator
 from fleet import Cluster, HAProxy, Replica, haproxy, redis_cluster
 from procs import free_port
@@ -468,7 +469,9 @@ def check_run(
         if recorded:
             check_partial(fleet, sid, tokenizer, len(recorded), word, which)
         return
-    check_trajectory(fleet.url, sid, tokenizer, answers, AUTH, branches=branches)
+    kept = check_recorded(fleet.url, sid, tokenizer, answers)
+    if kept:
+        tally.error(f"{which}: resent the text of a failed answer as its own history")
     if branches != 1:
         tally.add(duplicated=1)
         tally.note(f"{which} {sid}: {branches} branches (a turn committed twice)")
@@ -482,14 +485,44 @@ def check_run(
 
 
 def check_partial(fleet: ChaosFleet, sid: str, tokenizer: Any, assistant_turns: int, word: str, which: str) -> None:
-    """A failed run's session holds the first ``assistant_turns`` scripted answers, token-exact."""
+    """A failed run's session holds the first scripted answers it got to, token-exact."""
     if which == "claude":
         call = hermes_call("Bash", {"command": f"echo {word}", "description": "Print the word"})
     else:
         call = hermes_call("exec_command", {"cmd": f"echo {word}"})
-    answers = [f"Let me run it.\n{call}", f"It printed {word}."][:assistant_turns]
-    view = httpx.get(f"{fleet.url}/v1/sessions/{sid}", headers=AUTH, timeout=30).json()
-    check_trajectory(fleet.url, sid, tokenizer, answers, AUTH, branches=len(view["branches"]))
+    check_recorded(fleet.url, sid, tokenizer, [f"Let me run it.\n{call}", f"It printed {word}."], prefix=True)
+
+
+def check_recorded(url: str, sid: str, tokenizer: Any, scripted: list[str], *, prefix: bool = False) -> int:
+    """``chat_checks.check_trajectory`` for a conversation a harness may have edited: branch 0's tokens are the
+    template's one-shot rendering of its recorded conversation; the messages the model wrote (the record's ``ends``)
+    are the ``scripted`` answers in order (with ``prefix``: the first of them), each where the template puts it, and
+    the loss mask is 1 exactly on them. Assistant messages the harness sent as history without the model writing
+    them here (the text of an answer whose stream failed, which a harness may keep) are rendered, not trained: how
+    many, returned."""
+    view = full_view(url, sid, AUTH)
+    record = view["chat"]["record"]
+    messages, tools = template_messages(record)
+    arrays = session_sample(url, sid, AUTH)
+    tokens, mask = arrays["tokens"].tolist(), arrays["loss_mask"]
+    eos = tokenizer.eos_token_id
+    expected = render_ids(tokenizer, messages, tools, prompt=False)
+    assert tokens[-1] == eos and tokens == expected[: len(tokens)] and len(expected) == len(tokens) + 1, (
+        "the session's tokens are not the template's one-shot rendering of the recorded conversation"
+    )
+    pairs = list(zip(record["messages"], record["ends"], strict=True))
+    model = [i for i, (m, end) in enumerate(pairs) if m["role"] == "assistant" and end is not None]
+    rendered = sum(1 for m, end in pairs if m["role"] == "assistant" and end is None)
+    answers = scripted[: len(model)] if prefix else scripted
+    assert len(model) == len(answers), f"{len(model)} answers written by the model, {len(answers)} scripted"
+    trained = np.zeros(len(tokens), dtype=bool)
+    for index, text in zip(model, answers, strict=True):
+        start = len(render_ids(tokenizer, messages[:index], tools, prompt=True))
+        ids = [*tokenizer.encode(text, add_special_tokens=False), eos]
+        assert tokens[start : start + len(ids)] == ids, f"assistant message {index} is not the model's tokens"
+        trained[start : start + len(ids)] = True
+    np.testing.assert_array_equal(mask.astype(bool), trained[view["prompt_length"] :])
+    return rendered
 
 
 def harness_workers(
