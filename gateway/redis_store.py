@@ -83,6 +83,10 @@ TRANSIENT = (
     MasterDownError,
     RedisClusterException,
 )
+# What the store's background work (heartbeats, renewals, the channel, index repairs) and its best-effort reads survive:
+# Redis's errors, and the AttributeError / RuntimeError redis-py's asyncio cluster client can raise from a command
+# whose connection a failover closed under it (``_patient`` turns those into the lost connection they are).
+REDIS_FAILURES = (RedisError, RedisClusterException, OSError, AttributeError, RuntimeError)
 Staged = Sequence[tuple[str, memoryview]]
 Wait = tuple[int, int]  # replicas, timeout (ms)
 
@@ -642,7 +646,7 @@ class RedisSessionStore(SessionStore):
             return False
         try:
             theirs, mine = await self.redis.mget([self._keys.instance(instance), self._keys.instance(self._instance)])
-        except (RedisError, RedisClusterException, OSError):
+        except REDIS_FAILURES:
             return False
         return theirs is None and mine is not None
 
@@ -754,7 +758,7 @@ class RedisSessionStore(SessionStore):
 
     async def broadcast(self, message: dict[str, Any]) -> int:
         with self._errors("publish"):
-            return int(await self.redis.publish(self._keys.fleet, orjson.dumps(message)))
+            return int(await self._patient(lambda: self.redis.publish(self._keys.fleet, orjson.dumps(message))))
 
     async def listen(self, on_message: Callable[[dict[str, Any]], None]) -> None:
         """Subscribed to the channel until cancelled, subscribing again (with a backoff) whenever the connection
@@ -772,7 +776,7 @@ class RedisSessionStore(SessionStore):
                             on_message(orjson.loads(message["data"]))
                         except (orjson.JSONDecodeError, TypeError) as exc:
                             log.warning("session store: an unreadable gateway-wide message: %s", exc)
-            except (RedisError, RedisClusterException, OSError, StoreUnavailable) as exc:
+            except (*REDIS_FAILURES, StoreUnavailable) as exc:
                 log.warning("session store: the gateway-wide channel failed (%s); subscribing again", exc)
             finally:
                 self.listening = False
@@ -804,7 +808,7 @@ class RedisSessionStore(SessionStore):
             try:
                 await self._unlock(session_id, value)
                 return
-            except (RedisError, RedisClusterException, OSError):
+            except REDIS_FAILURES:
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, 1.0)
 
@@ -820,7 +824,7 @@ class RedisSessionStore(SessionStore):
                         log.warning("session %s: its hold ran out before it was renewed", session_id)
                 await self._measure_clock()
                 await self._refresh_count()
-            except (RedisError, RedisClusterException, OSError, StoreUnavailable) as exc:
+            except (*REDIS_FAILURES, StoreUnavailable) as exc:
                 log.warning("session store: renewing holds failed: %s", exc)
             if not self._heartbeat_s:
                 await self._repair_index()
@@ -833,7 +837,7 @@ class RedisSessionStore(SessionStore):
         while True:
             try:  # a beat that would wait longer than a beat (a frozen node) is dropped: the next one goes at once
                 await asyncio.wait_for(self.redis.set(key, alive, px=ttl_ms), self._heartbeat_s)
-            except (RedisError, RedisClusterException, OSError, StoreUnavailable, TimeoutError) as exc:
+            except (*REDIS_FAILURES, StoreUnavailable, TimeoutError) as exc:
                 log.warning("session store: the heartbeat failed: %s", exc or "no answer within a beat")
                 await asyncio.sleep(min(0.2, self._heartbeat_s))
                 continue
@@ -996,7 +1000,7 @@ class RedisSessionStore(SessionStore):
                 await self.redis.zrem(self._keys.index, session_id)
             else:
                 await self.redis.zadd(self._keys.index, {session_id: score}, gt=True)
-        except (RedisError, RedisClusterException, OSError, StoreUnavailable) as exc:
+        except (*REDIS_FAILURES, StoreUnavailable) as exc:
             if session_id not in self._index_pending:
                 log.warning("session %s: the session index could not be updated (%s); retrying", session_id, exc)
             self._index_pending[session_id] = score
