@@ -283,11 +283,13 @@ async def verify(session: Session, copy: Copy, tally: Tally, *, prefix_only: boo
     """The session's sample against the rollout's copy, token for token (``prefix_only``: the copy must be a
     prefix, the rest is an orphan turn). A read that disagrees is read again a few times first: a Redis master frozen
     and failed over answers with its old data until it learns of its demotion."""
+    first = ""
     for attempt in range(STALE_READ_CHECKS):
         outcome = await compare(session, copy, tally, prefix_only=prefix_only)
         if outcome == "exact":
             if attempt:
                 tally.error("a stale read, exact when read again")
+                tally.note(f"{session.session_id}: read {first} first, exact when read again")
             if not prefix_only:
                 tally.add(rollouts=1)
             await delete_quietly(session)
@@ -295,6 +297,7 @@ async def verify(session: Session, copy: Copy, tally: Tally, *, prefix_only: boo
         if outcome == "unread":
             tally.add(rollouts_unfinished=1)
             return
+        first = first or outcome
         await asyncio.sleep(1.0)
     tally.add(**{outcome: 1})
     tally.note(f"{session.session_id}: {outcome}: the session is not what its client was answered")
@@ -445,6 +448,7 @@ def check_session(
             continue
         if attempt:
             tally.error("a stale read, exact when read again")
+            tally.note(f"{which} {sid}: not exact when first read, exact when read again")
         return
 
 

@@ -26,6 +26,17 @@ def needs_harnesses() -> None:
     test_harnesses.harness("codex")
 
 
+def harnesses_if_any() -> list[str]:
+    """["both"] (Claude Code and Codex in turn) when both are installed; else none, saying why (the SDK rollouts run
+    either way)."""
+    try:
+        needs_harnesses()
+    except pytest.skip.Exception as why:
+        print(f"\nthe short chaos run goes on without real harnesses: {why}")
+        return []
+    return ["both"]
+
+
 def assert_nothing_lost(tally: Tally) -> None:
     detail = f"{tally.row()}\n" + "\n".join(tally.notes)
     assert (tally.lost, tally.duplicated, tally.half_written) == (0, 0, 0), detail
@@ -41,11 +52,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Iter
 
 def test_a_short_chaos_run_loses_no_acknowledged_turn(fleet: ChaosFleet, tokenizer: Any) -> None:
     """~40 s: replicas killed (kill -9) behind HAProxy, then Redis masters failed over, under SDK rollouts and one
-    harness at a time (Claude Code and Codex in turn)."""
-    needs_harnesses()
+    harness at a time (Claude Code and Codex in turn; without them when they are not installed, saying so)."""
+    harnesses = harnesses_if_any()
     seconds = float(os.environ.get("CHAOS_SHORT_SECONDS", 20))
-    for fault in ("kill", "failover"):
-        tally = run_chaos(fleet, fault, seconds, tokenizer, rollout_concurrency=3, seed=hash(fault) % 1000)
+    for seed, fault in enumerate(("kill", "failover")):
+        tally = run_chaos(fleet, fault, seconds, tokenizer, rollout_concurrency=3, harnesses=harnesses, seed=seed)
         print(f"\n{TABLE_HEAD}\n{tally.row()}")
         assert_nothing_lost(tally)
         assert tally.faults >= 1

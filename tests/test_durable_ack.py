@@ -25,7 +25,7 @@ import pytest
 import redis
 from chat_checks import CALL_TEXT, WEATHER_TOOL, script
 from conftest import Service, run_gateway, run_simulator
-from fleet import AOF, Replica, redis_cluster, redis_node
+from fleet import AOF, RedisNode, Replica, redis_cluster, redis_node
 from procs import free_port
 
 from gateway.redis_store import Keys
@@ -102,38 +102,48 @@ def stream_killing_redis(url: str, body: dict[str, Any], kill: Any) -> bytes:
     return received
 
 
-@pytest.mark.parametrize("api", list(STREAMS))
-def test_a_streamed_chat_turn_whose_write_fails_sends_no_stop(
-    paced_sim: Service, tokenizer_dir: Path, tmp_path: Path, api: str
-) -> None:
-    path, body, committing = STREAMS[api]
+@pytest.fixture(scope="module")
+def killable(
+    paced_sim: Service, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[RedisNode, Service]]:
+    """A Redis (every write on disk before it answers) that a test kills and starts again, and a gateway with the
+    chat routes on it: each test leaves Redis running."""
     with (
-        redis_node(tmp_path / "redis", *AOF) as node,
+        redis_node(tmp_path_factory.mktemp("killable"), *AOF) as node,
         run_gateway(paced_sim.url, "--tokenizer", str(tokenizer_dir), env=store_env(node.url)) as gateway,
     ):
-        sid = create(gateway)
-        script(paced_sim, sid, CALL_TEXT)
-        before = httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).json()
-        received = stream_killing_redis(f"{gateway.url}/v1/sessions/{sid}/{path}", body, node.kill)
-        node.start()  # with every write it acknowledged (appendfsync always)
-        assert ERRORS[api] in received, received[-2000:]
-        for marker in committing:
-            assert marker not in received, f"{marker!r} was sent for a turn that was not kept: {received[-2000:]!r}"
-        after = httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).json()
-        assert (after["turns"], after["total_tokens"]) == (before["turns"], before["total_tokens"])
+        yield node, gateway
 
 
-def test_a_streamed_token_turn_whose_write_fails_ends_with_an_error_event(paced_sim: Service, tmp_path: Path) -> None:
+@pytest.mark.parametrize("api", list(STREAMS))
+def test_a_streamed_chat_turn_whose_write_fails_sends_no_stop(
+    paced_sim: Service, killable: tuple[RedisNode, Service], api: str
+) -> None:
+    path, body, committing = STREAMS[api]
+    node, gateway = killable
+    sid = create(gateway)
+    script(paced_sim, sid, CALL_TEXT)
+    before = httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).json()
+    received = stream_killing_redis(f"{gateway.url}/v1/sessions/{sid}/{path}", body, node.kill)
+    node.start()  # with every write it acknowledged (appendfsync always)
+    assert ERRORS[api] in received, received[-2000:]
+    for marker in committing:
+        assert marker not in received, f"{marker!r} was sent for a turn that was not kept: {received[-2000:]!r}"
+    after = httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).json()
+    assert (after["turns"], after["total_tokens"]) == (before["turns"], before["total_tokens"])
+
+
+def test_a_streamed_token_turn_whose_write_fails_ends_with_an_error_event(killable: tuple[RedisNode, Service]) -> None:
     """The token-level stream: deltas, then ``error`` with no ``turn`` (nothing kept), never a ``turn`` event."""
-    with redis_node(tmp_path / "redis", *AOF) as node, run_gateway(paced_sim.url, env=store_env(node.url)) as gateway:
-        sid = create(gateway, prompt_ids=PROMPT)
-        body = {"stream": True, "sampling_params": {"max_new_tokens": 16}}
-        received = stream_killing_redis(f"{gateway.url}/v1/sessions/{sid}/generate", body, node.kill)
-        node.start()
-        assert b'"type":"error"' in received and b'"type":"turn"' not in received, received[-1000:]
-        assert b'"store_unavailable"' in received and b'"turn":null' in received
-        after = httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).json()
-        assert (after["turns"], after["total_tokens"]) == (0, len(PROMPT))
+    node, gateway = killable
+    sid = create(gateway, prompt_ids=PROMPT)
+    body = {"stream": True, "sampling_params": {"max_new_tokens": 16}}
+    received = stream_killing_redis(f"{gateway.url}/v1/sessions/{sid}/generate", body, node.kill)
+    node.start()
+    assert b'"type":"error"' in received and b'"type":"turn"' not in received, received[-1000:]
+    assert b'"store_unavailable"' in received and b'"turn":null' in received
+    after = httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).json()
+    assert (after["turns"], after["total_tokens"]) == (0, len(PROMPT))
 
 
 # ---- the session index on a Redis Cluster -------------------------------------------------------------------------
