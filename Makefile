@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # CUDA build. Only the client SDK and its tests use torch; the gateway itself needs none.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test lint format demo bench clean routers redis chromium harnesses test-sglang
+.PHONY: install test lint format demo bench clean routers redis chromium harnesses test-sglang docs
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,13 @@ test-sglang: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pre-commit validate-config
+
+# The documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link or anchor, a page left out of the
+# nav or a setting without a description fails it (tests/test_docs.py builds it the same way in `make test`).
+# NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2, printed on every build, says nothing about this site.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 format: install
 	$(VENV)/bin/ruff format .
@@ -81,7 +88,7 @@ bench: install
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info site
 
 # ---- the sidecar image (docker/) ----------------------------------------------------------------------------------
 # `make image`: wheels into docker/.wheels (so the image build needs no network), resolved for the image's own

@@ -17,8 +17,12 @@ class Settings(BaseSettings):
 
     upstream_url: AnyHttpUrl = Field(description="SGLang router (or server) base URL, e.g. http://127.0.0.1:30000")
     host: str = Field("127.0.0.1", description="address to listen on")
-    port: int = Field(8000, ge=1, le=65535)
-    log_level: str = Field("info", pattern="^(critical|error|warning|info|debug)$")
+    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    log_level: str = Field(
+        "info",
+        pattern="^(critical|error|warning|info|debug)$",
+        description="critical, error, warning, info or debug (debug adds the access log)",
+    )
     request_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -42,7 +46,7 @@ class Settings(BaseSettings):
     decode_offload_bytes: int = Field(
         64 * 1024, ge=0, description="answers larger than this are decoded in a worker thread, off the event loop"
     )
-    decode_threads: int = Field(4, ge=1)
+    decode_threads: int = Field(4, ge=1, description="worker threads that decode large answers and parse big bodies")
     max_sessions: int = Field(1_000_000, ge=1, description="refuse new sessions beyond this many (429)")
     session_idle_ttl_s: float = Field(
         3600.0, ge=0, description="drop sessions untouched for this long (abandoned rollouts); 0 keeps them forever"

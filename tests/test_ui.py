@@ -9,8 +9,8 @@ answers), with routing and top-p replay, then an edited tool result that forks a
 JSON view and the sample: the counts the page shows (tokens, trainable tokens, turns, branches), a hovered token's
 id, text and log-prob, switching branch; logging in with a key (the cookie: HttpOnly, SameSite=Strict, not the key,
 never a URL; it opens reads only); model and tool text that holds markup shown as text. Screenshots go to each test's
-tmp dir; ``UPDATE_INSPECTOR_SCREENSHOT=1`` also writes the README's docs/inspector.png. Render times are printed
-here and measured in the bench (row 16), never asserted.
+tmp dir; ``UPDATE_INSPECTOR_SCREENSHOT=1`` also writes docs/inspector.png (the README's and the docs' screenshot).
+Render times are printed here and measured in the bench (row 16), never asserted.
 """
 
 from __future__ import annotations
