@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chat.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
+from gateway.chat.reasoning import REASONING_FORMATS, ThinkStream, ThinkTags
 
 QWEN3 = REASONING_FORMATS["qwen3"]
-R1 = REASONING_FORMATS["deepseek_r1"]
-assert QWEN3 is not None and R1 is not None
+R1 = REASONING_FORMATS["deepseek-r1"]
+assert isinstance(QWEN3, ThinkTags) and isinstance(R1, ThinkTags)
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ assert QWEN3 is not None and R1 is not None
         (QWEN3, "<think>a</think>b</think>c", False, ("a", "b</think>c")),
     ],
 )
-def test_split(fmt: ReasoningFormat, text: str, inside: bool, expected: tuple[str | None, str]) -> None:
+def test_split(fmt: ThinkTags, text: str, inside: bool, expected: tuple[str | None, str]) -> None:
     assert fmt.split(text, inside=inside) == expected
 
 
@@ -46,8 +46,8 @@ def test_a_prompt_that_opens_think_starts_inside() -> None:
     assert R1.starts_inside("<|im_start|>assistant\n")
 
 
-def streamed(fmt: ReasoningFormat, pieces: list[str], inside: bool) -> tuple[str, str]:
-    stream = ReasoningStream(fmt, inside=inside)
+def streamed(fmt: ThinkTags, pieces: list[str], inside: bool) -> tuple[str, str]:
+    stream = ThinkStream(fmt, inside=inside)
     reasoning, content = [], []
     for piece in pieces:
         for channel, text in stream.feed(piece):
@@ -88,7 +88,7 @@ def test_streamed_channels_equal_the_whole_split(text: str, cuts: list[int], ins
 
 
 def test_reasoning_streams_before_the_end_tag_arrives() -> None:
-    stream = ReasoningStream(QWEN3, inside=False)
+    stream = ThinkStream(QWEN3, inside=False)
     assert stream.feed("<think>\nStep one") == [("reasoning", "Step one")]
     assert stream.feed(", step two.\n</thi") == [("reasoning", ", step two.")]
     assert stream.feed("nk>\n\nDone.") == [("content", "Done.")]

@@ -22,14 +22,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.chat.messages import ChatMessage, Tool
 from gateway.chat.service import ReplySplitter
-from gateway.chat.tool_parsers import (
-    FORMATS,
-    PARSERS,
-    STREAM_SPLITTERS,
-    ParsedCompletion,
-    schema_types,
-    typed_value,
-)
+from gateway.chat.tool_formats.base import schema_types, typed_value
+from gateway.chat.tool_parsers import ALIASES, FORMATS, PARSERS, STREAM_SPLITTERS, ParsedCompletion
 from gateway.config import Settings
 from gateway.simulator.tiny_tokenizer import TOOL_FORMATS
 
@@ -139,8 +133,21 @@ CASES = {
 # ---- each format reads what its template writes ------------------------------------------------------------------
 def test_every_format_is_a_setting() -> None:
     annotation = Settings.model_fields["chat_tool_parser"].annotation
-    assert set(typing.get_args(annotation)) == set(PARSERS) == set(STREAM_SPLITTERS) == set(TOOL_FORMATS)
-    assert set(NAMES) == {"hermes", "qwen3_coder", "glm45", "kimi_k2", "deepseekv31"}
+    assert set(typing.get_args(annotation)) == set(FORMATS) | set(ALIASES)
+    assert set(PARSERS) == set(STREAM_SPLITTERS) == set(TOOL_FORMATS) == set(FORMATS)
+    assert set(NAMES) == {
+        "hermes",
+        "qwen3_coder",
+        "glm45",
+        "glm47",
+        "kimi_k2",
+        "deepseekv3",
+        "deepseekv31",
+        "deepseekv32",
+        "minimax-m2",
+        "gpt-oss",
+    }
+    assert ALIASES == {"qwen": "hermes", "qwen25": "hermes", "glm": "glm45"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -183,6 +183,109 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
         added_tokens=(*_DEEPSEEK, "<｜tool▁calls▁end｜>"),
     ),
 }
+_DSML = (
+    "<｜DSML｜function_calls>",
+    "</｜DSML｜function_calls>",
+    "<｜DSML｜invoke",
+    "</｜DSML｜invoke>",
+    "<｜DSML｜parameter",
+    "</｜DSML｜parameter>",
+)
+_HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
+
+
+def _dsml_parameters() -> str:
+    """DeepSeek-V3.2's parameters: each says whether it is a string (written as is) or JSON."""
+    return (
+        "{%- if function.arguments is mapping %}{%- for key, value in function.arguments.items() %}\n"
+        "{%- if not loop.first %}{{- '\\n' }}{%- endif %}\n"
+        "{{- '<｜DSML｜parameter name=\"' + key + '\" string=\"' + ('true' if value is string else 'false') + '\">' }}"
+        "{%- if value is string %}{{- value }}{%- else %}{{- value | tojson }}{%- endif %}"
+        "{{- '</｜DSML｜parameter>' }}\n"
+        "{%- endfor %}{%- endif %}"
+    )
+
+
+TOOL_FORMATS |= {
+    "glm47": ToolFormat(
+        instructions="For each call, answer <tool_call>function-name<arg_key>key</arg_key><arg_value>value"
+        "</arg_value></tool_call>",
+        # GLM-4.7 writes the parts with nothing between them, and the calls right after the content.
+        calls="{%- if message.content %}{{- message.content }}{%- endif %}\n"
+        "{%- for call in message.tool_calls %}\n"
+        "{%- set function = call.function if call.function is defined else call %}\n"
+        "{{- '<tool_call>' + function.name }}\n"
+        + _bare_values("<arg_key>", "</arg_key><arg_value>", "</arg_value>")
+        + "\n{{- '</tool_call>' }}\n{%- endfor %}",
+        corpus=("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",),
+    ),
+    "deepseekv3": ToolFormat(
+        instructions="Call functions as <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n"
+        "```json\\n{arguments}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        calls=(
+            "{%- if message.content %}{{- message.content }}{%- endif %}\n"
+            "{{- '<｜tool▁calls▁begin｜>' }}\n"
+            "{%- for call in message.tool_calls %}\n"
+            "{%- set function = call.function if call.function is defined else call %}\n"
+            "{%- if not loop.first %}{{- '\\n' }}{%- endif %}\n"
+            "{{- '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + function.name + '\\n```json\\n' }}\n"
+            f"{_ARGUMENTS_JSON}\n"
+            "{{- '\\n```<｜tool▁call▁end｜>' }}\n"
+            "{%- endfor %}\n"
+            "{{- '<｜tool▁calls▁end｜>' }}"
+        ),
+        added_tokens=(*_DEEPSEEK, "<｜tool▁calls▁end｜>"),
+        corpus=('```json\n{"city": "Paris"}\n```',),
+    ),
+    "deepseekv32": ToolFormat(
+        instructions='Call functions in a <｜DSML｜function_calls> block of <｜DSML｜invoke name="NAME"> elements, '
+        'each of <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter> elements',
+        calls=(
+            "{%- if message.content %}{{- message.content }}{%- endif %}\n"
+            "{{- '\\n\\n<｜DSML｜function_calls>\\n' }}\n"
+            "{%- for call in message.tool_calls %}\n"
+            "{%- set function = call.function if call.function is defined else call %}\n"
+            "{%- if not loop.first %}{{- '\\n' }}{%- endif %}\n"
+            "{{- '<｜DSML｜invoke name=\"' + function.name + '\">\\n' }}\n"
+            + _dsml_parameters()
+            + "\n{{- '\\n</｜DSML｜invoke>' }}\n"
+            "{%- endfor %}\n"
+            "{{- '\\n</｜DSML｜function_calls>' }}"
+        ),
+        added_tokens=_DSML,
+        corpus=('name="city" string="true"> name="days" string="false">',),
+    ),
+    "minimax-m2": ToolFormat(
+        instructions='Call functions as <minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE'
+        "</parameter></invoke></minimax:tool_call>",
+        calls=(
+            "{%- if message.content %}{{- message.content + '\\n' }}{%- endif %}\n"
+            "{{- '<minimax:tool_call>\\n' }}\n"
+            "{%- for call in message.tool_calls %}\n"
+            "{%- set function = call.function if call.function is defined else call %}\n"
+            "{{- '<invoke name=\"' + function.name + '\">\\n' }}\n"
+            + _bare_values('<parameter name="', '">', "</parameter>\\n")
+            + "\n{{- '</invoke>\\n' }}\n"
+            "{%- endfor %}\n"
+            "{{- '</minimax:tool_call>' }}"
+        ),
+        corpus=('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>',),
+    ),
+    "gpt-oss": ToolFormat(
+        instructions="Call a function as a harmony message: <|start|>assistant<|channel|>commentary "
+        "to=functions.NAME <|constrain|>json<|message|>{arguments}<|call|>",
+        # The calls as harmony messages after a ChatML content (the tool-call parser on its own; a whole harmony
+        # conversation is tests/families.py's).
+        calls=_CALL_BLOCKS.replace(
+            "@CALL@",
+            "{{- '<|start|>assistant<|channel|>commentary to=functions.' + function.name + "
+            "' <|constrain|>json<|message|>' }}\n"
+            f"{_ARGUMENTS_JSON}\n"
+            "{{- '<|call|>' }}",
+        ),
+        added_tokens=_HARMONY,
+    ),
+}
 CHAT_TEMPLATE = TOOL_FORMATS["hermes"].chat_template()
 
 # What the BPE merges are learnt from: chat turns, tool calls and JSON, so common pieces become single tokens and
