@@ -1,11 +1,11 @@
 """OpenAI's harmony format (gpt-oss), as a completion after the generation prompt ``<|start|>assistant`` writes it.
 
 A completion is a run of assistant messages, each ``<|channel|>CHANNEL ...<|message|>BODY`` then a terminator: the
-first one's ``<|start|>assistant`` is the prompt's, the next ones begin with it. ``<|end|>`` closes a message the
-model goes on after; ``<|call|>`` (a tool call) and ``<|return|>`` (the answer) end the completion, and as stop
-tokens SGLang leaves them out of the text. The channels: ``analysis`` is the reasoning, ``final`` the answer,
-``commentary`` a preamble to the user or, with a recipient (``to=functions.NAME``, in the channel part or after
-the role), a tool call whose body is its arguments (``<|constrain|>json``).
+first one's ``<|start|>assistant`` is the prompt's (written again, it reads the same), the next ones begin with it.
+``<|end|>`` closes a message the model goes on after; ``<|call|>`` (a tool call) and ``<|return|>`` (the answer) end
+the completion, and as stop tokens SGLang leaves them out of the text. The channels: ``analysis`` is the reasoning,
+``final`` the answer, ``commentary`` a preamble to the user or, with a recipient (``to=functions.NAME``, in the
+channel part or after the role), a tool call whose body is its arguments (``<|constrain|>json``).
 
 ``HarmonyReader`` reads a completion as it arrives into reasoning (the analysis bodies) and content (the final and
 preamble bodies, then, raw, everything from the first call message on: the tool-call parser reads that part), so a
@@ -98,11 +98,11 @@ class HarmonyReader:
     # Each state's step: True when it moved on (run again), False when it needs more text.
     def _first(self, final: bool, out: list[Piece]) -> bool:
         buffer = self._buffer
-        if buffer.startswith(CHANNEL):
+        if buffer.startswith((CHANNEL, START)):  # a completion that repeats <|start|>assistant reads the same
             self._state = "header"
             return True
-        if CHANNEL.startswith(buffer) and not final:
-            return False  # could still become <|channel|>
+        if (CHANNEL.startswith(buffer) or START.startswith(buffer)) and not final:
+            return False  # could still become <|channel|> or <|start|>
         self.harmony = False
         self._state = "raw"
         return True

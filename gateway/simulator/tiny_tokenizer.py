@@ -314,15 +314,33 @@ def _corpus(extra: tuple[str, ...] = (), repeat: int = 20) -> Iterator[str]:
         yield from extra
 
 
-def build_tiny_chat_tokenizer(out_dir: str | Path, vocab_size: int = VOCAB_SIZE, tool_format: str = "hermes") -> Path:
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Another model family's whole chat format for the tiny tokenizer (``tests/families.py`` writes GLM-4.7,
+    MiniMax-M2, DeepSeek-V3.2, Kimi-K2-Thinking and gpt-oss's): its template, and the tokens it needs whole."""
+
+    chat_template: str
+    eos_token: str  # one of special_tokens
+    special_tokens: tuple[str, ...]  # role markers, stop tokens: special (SGLang leaves them out of the text)
+    added_tokens: tuple[str, ...] = ()  # markers that stay in the decoded text
+    corpus: tuple[str, ...] = ()
+
+
+def build_tiny_chat_tokenizer(
+    out_dir: str | Path, vocab_size: int = VOCAB_SIZE, tool_format: str = "hermes", spec: TokenizerSpec | None = None
+) -> Path:
     """Train and save the tokenizer into ``out_dir`` (created); returns it. Deterministic for a given corpus and
-    ``tool_format`` (a ``TOOL_FORMATS`` name)."""
+    ``tool_format`` (a ``TOOL_FORMATS`` name), or ``spec`` (a whole chat format of its own)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if tool_format not in TOOL_FORMATS:
         raise ValueError(f"unknown tool format {tool_format!r}; known: {', '.join(TOOL_FORMATS)}")
     chosen = TOOL_FORMATS[tool_format]
+    template = chosen.chat_template() if spec is None else spec.chat_template
+    eos = EOS_TOKEN if spec is None else spec.eos_token
+    special = SPECIAL_TOKENS if spec is None else ("<|endoftext|>", *spec.special_tokens)
+    added = chosen.added_tokens if spec is None else spec.added_tokens
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE())
@@ -330,20 +348,20 @@ def build_tiny_chat_tokenizer(out_dir: str | Path, vocab_size: int = VOCAB_SIZE,
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(chosen.corpus), trainer=trainer)
+    tokenizer.train_from_iterator(_corpus(chosen.corpus if spec is None else spec.corpus), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token=EOS_TOKEN,
+        eos_token=eos,
         pad_token="<|endoftext|>",
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (EOS_TOKEN, "<|endoftext|>")],
+        additional_special_tokens=[t for t in special if t not in (eos, "<|endoftext|>")],
         model_max_length=32768,
     )
-    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in chosen.added_tokens])
-    fast.chat_template = chosen.chat_template()
+    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    fast.chat_template = template
     fast.save_pretrained(str(out))
     # transformers writes the template to chat_template.jinja or into tokenizer_config.json depending on its
     # version; both are read back by from_pretrained.
