@@ -113,6 +113,13 @@ def think(name: str) -> ThinkTags:
         ),
         ("qwen3", "<think>Plan.<tool_call>{}</tool_call>", False, ("Plan.", "<tool_call>{}</tool_call>")),
         ("qwen3", "<think>R</think>A<tool_call>{}</tool_call>", False, ("R", "A<tool_call>{}</tool_call>")),
+        # A call drafted inside the reasoning, then the reasoning closed: the draft is reasoning (as SGLang reads it).
+        (
+            "qwen3",
+            "<think>Draft <tool_call>{}</tool_call>.</think><tool_call>",
+            False,
+            ("Draft <tool_call>{}</tool_call>.", "<tool_call>"),
+        ),
         # The opening tag repeated (the prompt opened one, the model wrote another): all markup.
         ("qwen3", "<think>\nR\n</think>\n\nA", True, ("R", "A")),
         ("qwen3", "<think><think>R</think>A", False, ("R", "A")),

@@ -9,9 +9,11 @@ The template follows the ChatML / Qwen2.5 conventions (``<|im_start|>role ... <|
 system turn, Hermes-style ``<tool_call>{json}</tool_call>`` calls, tool results inside a user turn as
 ``<tool_response>``), written for this project. ``tool_format`` picks another tool-call format, by SGLang's
 ``--tool-call-parser`` name (``TOOL_FORMATS``): the same template with the assistant's calls rendered as that model
-family's template renders them (``qwen3_coder``, ``glm45``, ``kimi_k2``, ``deepseekv31``), so that a model writing
-that format gives a session whose tokens are the template's one-shot rendering; the format's markers are single
-tokens (added, not special, so they stay in the decoded text), as in the real tokenizers.
+family's template renders them (``qwen3_coder``, ``glm45``, ``glm47``, ``kimi_k2``, ``deepseekv3``, ``deepseekv31``,
+``deepseekv32``, ``minimax-m2``, ``gpt-oss``), so that a model writing that format gives a session whose tokens are
+the template's one-shot rendering; the format's markers are single tokens (added, not special, so they stay in the
+decoded text). A ``TokenizerSpec`` instead gives a whole chat format of its own (another family's template, role
+and stop tokens; ``tests/families.py``).
 
     python -m gateway.simulator.tiny_tokenizer OUT_DIR [--tool-format NAME]
 """

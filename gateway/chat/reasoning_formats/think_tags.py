@@ -8,9 +8,10 @@ always for a format that says so (``always_inside``); then it has no opening tag
 ``</think>`` is all reasoning. Without the tags (and not started inside) the completion is all content, and so is a
 ``<think>`` that comes after the answer began.
 
-``tool_start``: the family's tool-call marker ends the reasoning too (Qwen3.5/3.6, GLM and Kimi-K2 open a call
-before closing their reasoning, a known habit SGLang handles the same way): the reasoning is what comes before it
-and the content begins with it, for the tool-call parser. ``append_think`` (``minimax-append-think``): nothing is
+``tool_start``: the family's tool-call marker ends the reasoning too when no ``</think>`` follows it (Qwen3.5/3.6, GLM
+and Kimi-K2 open a call before closing their reasoning, a known habit SGLang handles the same way): the reasoning is
+what comes before it and the content begins with it, for the tool-call parser. A call the model only drafts in its
+reasoning, before ``</think>``, stays reasoning. ``append_think`` (``minimax-append-think``): nothing is
 split; the content is the whole completion with the ``<think>`` the prompt opened put back in front, so a client
 that keeps the text keeps the reasoning (MiniMax-M2's interleaved thinking).
 """
@@ -51,10 +52,10 @@ class ThinkTags:
         if not (inside or opened):
             return None, text
         end = rest.find(self.end)
-        tool = rest.find(self.tool_start) if self.tool_start else -1
-        if tool >= 0 and (end < 0 or tool < end):
-            return rest[:tool].strip(), rest[tool:]
         if end < 0:
+            tool = rest.find(self.tool_start) if self.tool_start else -1
+            if tool >= 0:
+                return rest[:tool].strip(), rest[tool:]
             return rest.strip(), ""
         return rest[:end].strip(), rest[end + len(self.end) :].lstrip()
 
@@ -116,19 +117,17 @@ class ThinkStream:
     def _reasoning(self) -> list[tuple[Channel, str]]:
         buffer, fmt = self._buffer, self.fmt
         end = buffer.find(fmt.end)
-        tool = buffer.find(fmt.tool_start) if fmt.tool_start else -1
-        if tool >= 0 and (end < 0 or tool < end):
-            out = self._send_reasoning(buffer[:tool].strip())
-            self._mode, self._buffer, self._content_started = "content", "", True
-            return out + self._content(buffer[tool:])
         if end >= 0:
             out = self._send_reasoning(buffer[:end].strip())
             self._mode, self._buffer = "content", ""
             return out + self._content(buffer[end + len(fmt.end) :])
-        hold = partial_marker_length(buffer, fmt.end)
+        safe = len(buffer) - partial_marker_length(buffer, fmt.end)
         if fmt.tool_start:
-            hold = max(hold, partial_marker_length(buffer, fmt.tool_start))
-        return self._send_reasoning(buffer[: len(buffer) - hold].strip())
+            # From a tool-call marker on, the text is the call (content) unless a </think> still follows: held back
+            # until the completion ends (then ``ReplySplitter.finish`` sends it as the parsed content) or it does.
+            tool = buffer.find(fmt.tool_start)
+            safe = min(safe, tool if tool >= 0 else len(buffer) - partial_marker_length(buffer, fmt.tool_start))
+        return self._send_reasoning(buffer[:safe].strip())
 
     def _send_reasoning(self, reasoning: str) -> list[tuple[Channel, str]]:
         new = reasoning[self._reasoning_sent :]
