@@ -1,10 +1,10 @@
 """SGLang's own parser test cases, as data (``tests/fixtures/sglang_parsers/*.json``), through the gateway's parsers.
 
-Each fixture file names its source (``sgl-project/sglang``'s test file and class, the commits read), the parsers (by SGLang's names),
-the tools, and per case: the completion text, the chunks SGLang's test streams it in (when it does), whether the
-prompt opened the reasoning (``inside``, SGLang's ``force_reasoning``), and what SGLang's parser returns
-(``sglang``: reasoning, content and calls). A case where the gateway reads the text differently on purpose also
-has ``gateway`` (what it returns instead) and ``differs``: the reason, one of ``DIFFERENCES``, each listed with its
+Each fixture file names its source (``sgl-project/sglang``'s test file and class, the commits read), the parsers (by
+SGLang's names), the tools, and per case: the completion text, the chunks SGLang's test streams it in (when it
+does), whether the prompt opened the reasoning (``inside``, SGLang's ``force_reasoning``), and what SGLang's parser
+returns (``sglang``: reasoning, content and calls). A case where the gateway reads the text differently on purpose
+also has ``gateway`` (what it returns instead) and ``differs``: the reason, one of ``DIFFERENCES``, each listed with its
 argument in ``docs/agents/model-families.md``.
 
 Each case runs as the chat service runs a completion: the reasoning split, then the tool-call parse (only when tools
