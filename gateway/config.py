@@ -7,8 +7,14 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AnyHttpUrl, Field, SecretStr, field_validator
+from pydantic import AnyHttpUrl, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gateway.chat import reasoning, tool_parsers
+
+# The accepted parser names come from the registries: adding a format adds its name here.
+ToolParserName = Literal[tool_parsers.NAMES]  # type: ignore[valid-type]
+ReasoningParserName = Literal[reasoning.NAMES]  # type: ignore[valid-type]
 
 
 class Settings(BaseSettings):
@@ -133,18 +139,23 @@ class Settings(BaseSettings):
         description="the served model's Hugging Face tokenizer directory (with its chat template): enables the "
         "OpenAI and Anthropic chat routes; read locally, never downloaded",
     )
-    chat_tool_parser: Literal["hermes", "qwen3_coder", "glm45", "kimi_k2", "deepseekv31"] = Field(
+    chat_tool_parser: ToolParserName = Field(
         "hermes",
-        description="how tool calls are read from completions, by SGLang's --tool-call-parser name: hermes "
-        "(<tool_call>{json}</tool_call>), qwen3_coder (<tool_call><function=NAME><parameter=KEY>...), glm45 "
-        "(<tool_call>NAME<arg_key>...), kimi_k2 (<|tool_calls_section_begin|>...), deepseekv31 "
-        "(<｜tool▁calls▁begin｜>...)",
+        description="how tool calls are read from completions, by SGLang's --tool-call-parser name (the value slime "
+        "passes as --sglang-tool-call-parser): hermes (<tool_call>{json}</tool_call>; qwen25 and qwen too), "
+        "qwen3_coder (<tool_call><function=NAME><parameter=KEY>...), glm45 and glm47 (<tool_call>NAME<arg_key>...), "
+        "kimi_k2 (<|tool_calls_section_begin|>...), deepseekv3, deepseekv31 (<｜tool▁calls▁begin｜>...), deepseekv32 "
+        "(<｜DSML｜function_calls>...), minimax-m2 (<minimax:tool_call><invoke name=...>), gpt-oss (harmony's "
+        "commentary channel; needs the gpt-oss reasoning parser)",
     )
-    chat_reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = Field(
+    chat_reasoning_parser: ReasoningParserName = Field(
         "none",
-        description="how a reasoning model's <think>...</think> is read from completions, by SGLang's "
-        "--reasoning-parser name: returned as reasoning_content (OpenAI chat), thinking blocks (Anthropic), reasoning "
-        "items (Responses); none: the completion is all content",
+        description="how a reasoning model's reasoning is read from completions, by SGLang's --reasoning-parser name "
+        "(the value slime passes as --sglang-reasoning-parser): qwen3, qwen3-thinking, deepseek-r1 (deepseek_r1 "
+        "too), deepseek-v3, glm45, kimi_k2, minimax (<think>...</think>), minimax-append-think (the <think> kept in "
+        "the content), gpt-oss (harmony's analysis channel; needs the gpt-oss tool parser); returned as "
+        "reasoning_content (OpenAI chat), thinking blocks (Anthropic), reasoning items (Responses); none: the "
+        "completion is all content",
     )
     chat_rewrite_policy: Literal["append", "fork"] = Field(
         "append",
@@ -196,6 +207,15 @@ class Settings(BaseSettings):
     def _one_key(cls, value: SecretStr | None) -> SecretStr | None:
         key = _secret(value).strip()
         return SecretStr(_checked_key(key)) if key else None
+
+    @model_validator(mode="after")
+    def _parsers_go_together(self) -> Settings:
+        mismatch = tool_parsers.pairing_error(
+            tool_parsers.tool_format(self.chat_tool_parser), reasoning.reasoning_format(self.chat_reasoning_parser)
+        )
+        if mismatch is not None:
+            raise ValueError(mismatch)
+        return self
 
     @property
     def upstream_base(self) -> str:

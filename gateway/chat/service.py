@@ -30,9 +30,15 @@ from gateway.chat.conversation import (
     render_size,
 )
 from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, order_tool_results
-from gateway.chat.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
+from gateway.chat.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format
 from gateway.chat.template import ChatTemplate
-from gateway.chat.tool_parsers import PARSERS, STREAM_SPLITTERS, ParsedCompletion, ToolCallStreamSplitter
+from gateway.chat.tool_parsers import (
+    ParsedCompletion,
+    ToolCallFormat,
+    ToolCallStreamSplitter,
+    pairing_error,
+    tool_format,
+)
 from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
@@ -94,14 +100,17 @@ class ChatService:
 
     def __init__(self, template: ChatTemplate, settings: ChatSettings | None = None) -> None:
         settings = settings or ChatSettings()
-        if settings.tool_parser not in PARSERS:
-            raise ValueError(f"unknown tool parser {settings.tool_parser!r}; known: {', '.join(sorted(PARSERS))}")
-        if settings.reasoning_parser not in REASONING_FORMATS:
-            known = ", ".join(sorted(REASONING_FORMATS))
-            raise ValueError(f"unknown reasoning parser {settings.reasoning_parser!r}; known: {known}")
+        try:
+            self.tool_format: ToolCallFormat = tool_format(settings.tool_parser)
+            self.reasoning: ReasoningFormat | None = reasoning_format(settings.reasoning_parser)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
+        mismatch = pairing_error(self.tool_format, self.reasoning)
+        if mismatch is not None:
+            raise ValueError(mismatch)
         self.template = template
         self.settings = settings
-        self.reasoning: ReasoningFormat | None = REASONING_FORMATS[settings.reasoning_parser]
+        self.sampling_extra = text_of_special_markers(template, self.tool_format, self.reasoning)
         self.hosted = HostedTools()
 
     @property
@@ -198,7 +207,7 @@ class ChatService:
             messages = tuple(self._split_history_reasoning(m) for m in messages)
         messages = order_tool_results(messages)
         check_history(messages)
-        return replace(request, messages=messages)
+        return replace(request, messages=messages, sampling_params=self.sampling_extra | request.sampling_params)
 
     def _stored_history(self, session: Session, request: ChatRequest) -> tuple[ChatMessage, ...]:
         history = find_response(session, request.previous_response_id or "")
@@ -217,9 +226,12 @@ class ChatService:
 
     def _split_history_reasoning(self, message: ChatMessage) -> ChatMessage:
         assert self.reasoning is not None
-        if message.role != "assistant" or message.reasoning is not None or self.reasoning.start not in message.content:
+        if message.role != "assistant" or message.reasoning is not None:
             return message
-        reasoning, content = self.reasoning.split(message.content, inside=False)
+        split = self.reasoning.split_history(message.content)
+        if split is None:
+            return message
+        reasoning, content = split
         return msgspec.structs.replace(message, reasoning=reasoning, content=content)
 
     async def _plan(
@@ -319,16 +331,16 @@ class ChatService:
             reasoning, text = self.reasoning.split(text, inside=self.starts_inside_reasoning(plan))
         if not request.parse_tool_calls:
             return ParsedCompletion(text, ()), reasoning
-        parsed = PARSERS[self.settings.tool_parser](text, request.tools)
+        parsed = self.tool_format.parse(text, request.tools)
         if parsed.failed and state is not None:
-            state.metrics.chat_tool_parse_failures.labels(self.settings.tool_parser).inc()
+            state.metrics.chat_tool_parse_failures.labels(self.tool_format.name).inc()
         return parsed, reasoning
 
     def splitter(self, request: ChatRequest, plan: ChatPlan) -> ReplySplitter:
         reasoning = None
         if self.reasoning is not None:
-            reasoning = ReasoningStream(self.reasoning, inside=self.starts_inside_reasoning(plan))
-        tools = STREAM_SPLITTERS[self.settings.tool_parser]() if request.parse_tool_calls else None
+            reasoning = self.reasoning.stream(inside=self.starts_inside_reasoning(plan))
+        tools = self.tool_format.splitter() if request.parse_tool_calls else None
         return ReplySplitter(reasoning, tools)
 
     @staticmethod
@@ -345,6 +357,20 @@ class ChatService:
             cached_tokens=turn.cached_tokens,
             rid=str(summary["rid"]),
         )
+
+
+# What a chat turn asks SGLang for when the parsers' markers are special tokens of the served tokenizer: SGLang
+# leaves special tokens out of the text by default, and a parser cannot read markers that are not there.
+KEEP_SPECIAL_TOKENS = {"skip_special_tokens": False, "spaces_between_special_tokens": False}
+
+
+def text_of_special_markers(
+    template: ChatTemplate, tools: ToolCallFormat, reasoning: ReasoningFormat | None
+) -> dict[str, Any]:
+    """The sampling parameters every chat turn adds (a request's own win): ``KEEP_SPECIAL_TOKENS`` when a marker
+    the parsers read is a special token of the tokenizer (gpt-oss's harmony, Kimi-K2's tool tokens), else none."""
+    markers = {tools.start, *tools.markers, *(reasoning.markers if reasoning is not None else ())}
+    return dict(KEEP_SPECIAL_TOKENS) if markers & template.special_texts else {}
 
 
 def merge_late_system_messages(messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
@@ -381,7 +407,7 @@ class ReplySplitter:
     """A streamed completion split as it arrives into reasoning and content, the content holding back what may be
     tool calls; ``finish`` gives what remains of each so that the streamed text equals the unary answer's."""
 
-    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStreamSplitter | None) -> None:
+    def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallStreamSplitter | None) -> None:
         self._reasoning = reasoning
         self._tools = tools
         self._content_sent = 0

@@ -14,7 +14,8 @@ Everything a `/generate` answer contains is a function of the simulator seed, th
 The vocabulary (`Vocabulary`) is synthetic by default: `vocab_size` ids whose text is `" w{id}"`, the eos id's text
 empty. With `SimulatorConfig.tokenizer` (a Hugging Face tokenizer directory) it is that tokenizer's: `len(tokenizer)`
 ids, its eos, each id's text as the tokenizer decodes it alone, and every special token's text empty (SGLang
-detokenizes with `skip_special_tokens`); text prompts are encoded with it. A random answer never draws a special id
+detokenizes with `skip_special_tokens`; a request that sets it false gets their texts); text prompts are encoded with
+it. A random answer never draws a special id
 (the eos only ends it), and its `text` is always the concatenation of its tokens' texts.
 
 A scripted answer (`ScriptedAnswer`, queued by `POST /sim/script`, see `parse_script` and `ScriptBook`) replaces the
@@ -116,6 +117,7 @@ class GenItem:
     stop_token_ids: tuple[int, ...] = ()
     sampling_seed: int = 0
     ignore_eos: bool = False  # run to max_new_tokens (finish "length"): fixed-size answers for benchmarks
+    skip_special_tokens: bool = True  # false: special tokens keep their text in the answer (SGLang's sampling param)
     return_logprob: bool = False
     return_routed_experts: bool = False  # already False when the server has routing disabled
     start_len: int = 0
@@ -189,6 +191,8 @@ class Vocabulary:
     eos: int
     special_ids: tuple[int, ...]  # ascending, eos included
     tokenizer: Any = field(default=None, repr=False, compare=False)  # a transformers tokenizer; None: synthetic
+    # The special tokens' own texts, for a request with skip_special_tokens false.
+    special_words: dict[int, str] = field(default_factory=dict, repr=False)
 
     @property
     def size(self) -> int:
@@ -240,9 +244,10 @@ def tokenizer_vocabulary(path: str) -> Vocabulary:
         raise ValueError(f"tokenizer {path} has only special tokens")
     # Each id decoded on its own, without the space clean-up that would make the texts not concatenate.
     words = tokenizer.batch_decode([[i] for i in range(size)], clean_up_tokenization_spaces=False)
+    special_words = {i: words[i] for i in special}
     for i in special:
         words[i] = ""  # SGLang detokenizes with skip_special_tokens
-    return Vocabulary(words, eos, special, tokenizer)
+    return Vocabulary(words, eos, special, tokenizer, special_words)
 
 
 def load_vocabulary(config: SimulatorConfig) -> Vocabulary:
@@ -457,6 +462,11 @@ class Engine:
         self.cache = PrefixCache()
         words = self._words = self.vocab.words
         self._word_lens = np.fromiter((len(w) for w in words), dtype=np.int64, count=len(words))
+        # The same with special tokens spelled out (skip_special_tokens false), made once.
+        self._raw_words = list(words)
+        for i, text in self.vocab.special_words.items():
+            self._raw_words[i] = text
+        self._raw_word_lens = np.fromiter((len(w) for w in self._raw_words), dtype=np.int64, count=len(words))
         seed = config.seed % _U64
         rng = np.random.default_rng([seed, 7])
         # Row b is experts perm[b], perm[b+1], ... (mod E) of a per-seed permutation: K distinct ids, so a
@@ -539,12 +549,13 @@ class Engine:
         ids = (plan.output_ids[owner] + within) % self.vocab.size
         return ids.astype(np.int32), offsets.astype(np.int32)
 
-    def text_ends(self, ids: np.ndarray) -> np.ndarray:
+    def text_ends(self, ids: np.ndarray, *, skip_special: bool = True) -> np.ndarray:
         """Character offset where the text of each token ends, so any prefix's text is one slice."""
-        return np.cumsum(self._word_lens[ids]) if len(ids) else np.zeros(0, dtype=np.int64)
+        lens = self._word_lens if skip_special else self._raw_word_lens
+        return np.cumsum(lens[ids]) if len(ids) else np.zeros(0, dtype=np.int64)
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        words = self._words
+    def detokenize(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        words = self._words if skip_special else self._raw_words
         return "".join([words[i] for i in ids])
 
 
@@ -604,8 +615,9 @@ class Generation:
 
     def text(self, m: int) -> str:
         if self._text is None:
-            self._text = self.engine.detokenize(self._ids)
-            self._text_ends = self.engine.text_ends(self.plan.output_ids)
+            skip = self.item.skip_special_tokens
+            self._text = self.engine.detokenize(self._ids, skip_special=skip)
+            self._text_ends = self.engine.text_ends(self.plan.output_ids, skip_special=skip)
         assert self._text_ends is not None
         return self._text[: int(self._text_ends[m - 1])] if m else ""
 
@@ -858,6 +870,7 @@ def _item(
         stop_token_ids=_stop_ids(params.get("stop_token_ids")),
         sampling_seed=_int_param(params, "sampling_seed", 0, minimum=None),
         ignore_eos=bool(params.get("ignore_eos")),
+        skip_special_tokens=params.get("skip_special_tokens") is not False,
         return_logprob=bool(logprob),
         return_routed_experts=bool(routing) and config.enable_routed_experts,
         start_len=start,

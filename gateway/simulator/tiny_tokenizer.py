@@ -9,9 +9,11 @@ The template follows the ChatML / Qwen2.5 conventions (``<|im_start|>role ... <|
 system turn, Hermes-style ``<tool_call>{json}</tool_call>`` calls, tool results inside a user turn as
 ``<tool_response>``), written for this project. ``tool_format`` picks another tool-call format, by SGLang's
 ``--tool-call-parser`` name (``TOOL_FORMATS``): the same template with the assistant's calls rendered as that model
-family's template renders them (``qwen3_coder``, ``glm45``, ``kimi_k2``, ``deepseekv31``), so that a model writing
-that format gives a session whose tokens are the template's one-shot rendering; the format's markers are single
-tokens (added, not special, so they stay in the decoded text), as in the real tokenizers.
+family's template renders them (``qwen3_coder``, ``glm45``, ``glm47``, ``kimi_k2``, ``deepseekv3``, ``deepseekv31``,
+``deepseekv32``, ``minimax-m2``, ``gpt-oss``), so that a model writing that format gives a session whose tokens are
+the template's one-shot rendering; the format's markers are single tokens (added, not special, so they stay in the
+decoded text). A ``TokenizerSpec`` instead gives a whole chat format of its own (another family's template, role
+and stop tokens; ``tests/families.py``).
 
     python -m gateway.simulator.tiny_tokenizer OUT_DIR [--tool-format NAME]
 """
@@ -183,6 +185,109 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
         added_tokens=(*_DEEPSEEK, "<｜tool▁calls▁end｜>"),
     ),
 }
+_DSML = (
+    "<｜DSML｜function_calls>",
+    "</｜DSML｜function_calls>",
+    "<｜DSML｜invoke",
+    "</｜DSML｜invoke>",
+    "<｜DSML｜parameter",
+    "</｜DSML｜parameter>",
+)
+_HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
+
+
+def _dsml_parameters() -> str:
+    """DeepSeek-V3.2's parameters: each says whether it is a string (written as is) or JSON."""
+    return (
+        "{%- if function.arguments is mapping %}{%- for key, value in function.arguments.items() %}\n"
+        "{%- if not loop.first %}{{- '\\n' }}{%- endif %}\n"
+        "{{- '<｜DSML｜parameter name=\"' + key + '\" string=\"' + ('true' if value is string else 'false') + '\">' }}"
+        "{%- if value is string %}{{- value }}{%- else %}{{- value | tojson }}{%- endif %}"
+        "{{- '</｜DSML｜parameter>' }}\n"
+        "{%- endfor %}{%- endif %}"
+    )
+
+
+TOOL_FORMATS |= {
+    "glm47": ToolFormat(
+        instructions="For each call, answer <tool_call>function-name<arg_key>key</arg_key><arg_value>value"
+        "</arg_value></tool_call>",
+        # GLM-4.7 writes the parts with nothing between them, and the calls right after the content.
+        calls="{%- if message.content %}{{- message.content }}{%- endif %}\n"
+        "{%- for call in message.tool_calls %}\n"
+        "{%- set function = call.function if call.function is defined else call %}\n"
+        "{{- '<tool_call>' + function.name }}\n"
+        + _bare_values("<arg_key>", "</arg_key><arg_value>", "</arg_value>")
+        + "\n{{- '</tool_call>' }}\n{%- endfor %}",
+        corpus=("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",),
+    ),
+    "deepseekv3": ToolFormat(
+        instructions="Call functions as <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n"
+        "```json\\n{arguments}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        calls=(
+            "{%- if message.content %}{{- message.content }}{%- endif %}\n"
+            "{{- '<｜tool▁calls▁begin｜>' }}\n"
+            "{%- for call in message.tool_calls %}\n"
+            "{%- set function = call.function if call.function is defined else call %}\n"
+            "{%- if not loop.first %}{{- '\\n' }}{%- endif %}\n"
+            "{{- '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + function.name + '\\n```json\\n' }}\n"
+            f"{_ARGUMENTS_JSON}\n"
+            "{{- '\\n```<｜tool▁call▁end｜>' }}\n"
+            "{%- endfor %}\n"
+            "{{- '<｜tool▁calls▁end｜>' }}"
+        ),
+        added_tokens=(*_DEEPSEEK, "<｜tool▁calls▁end｜>"),
+        corpus=('```json\n{"city": "Paris"}\n```',),
+    ),
+    "deepseekv32": ToolFormat(
+        instructions='Call functions in a <｜DSML｜function_calls> block of <｜DSML｜invoke name="NAME"> elements, '
+        'each of <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter> elements',
+        calls=(
+            "{%- if message.content %}{{- message.content }}{%- endif %}\n"
+            "{{- '\\n\\n<｜DSML｜function_calls>\\n' }}\n"
+            "{%- for call in message.tool_calls %}\n"
+            "{%- set function = call.function if call.function is defined else call %}\n"
+            "{%- if not loop.first %}{{- '\\n' }}{%- endif %}\n"
+            "{{- '<｜DSML｜invoke name=\"' + function.name + '\">\\n' }}\n"
+            + _dsml_parameters()
+            + "\n{{- '\\n</｜DSML｜invoke>' }}\n"
+            "{%- endfor %}\n"
+            "{{- '\\n</｜DSML｜function_calls>' }}"
+        ),
+        added_tokens=_DSML,
+        corpus=('name="city" string="true"> name="days" string="false">',),
+    ),
+    "minimax-m2": ToolFormat(
+        instructions='Call functions as <minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE'
+        "</parameter></invoke></minimax:tool_call>",
+        calls=(
+            "{%- if message.content %}{{- message.content + '\\n' }}{%- endif %}\n"
+            "{{- '<minimax:tool_call>\\n' }}\n"
+            "{%- for call in message.tool_calls %}\n"
+            "{%- set function = call.function if call.function is defined else call %}\n"
+            "{{- '<invoke name=\"' + function.name + '\">\\n' }}\n"
+            + _bare_values('<parameter name="', '">', "</parameter>\\n")
+            + "\n{{- '</invoke>\\n' }}\n"
+            "{%- endfor %}\n"
+            "{{- '</minimax:tool_call>' }}"
+        ),
+        corpus=('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>',),
+    ),
+    "gpt-oss": ToolFormat(
+        instructions="Call a function as a harmony message: <|start|>assistant<|channel|>commentary "
+        "to=functions.NAME <|constrain|>json<|message|>{arguments}<|call|>",
+        # The calls as harmony messages after a ChatML content (the tool-call parser on its own; a whole harmony
+        # conversation is tests/families.py's).
+        calls=_CALL_BLOCKS.replace(
+            "@CALL@",
+            "{{- '<|start|>assistant<|channel|>commentary to=functions.' + function.name + "
+            "' <|constrain|>json<|message|>' }}\n"
+            f"{_ARGUMENTS_JSON}\n"
+            "{{- '<|call|>' }}",
+        ),
+        added_tokens=_HARMONY,
+    ),
+}
 CHAT_TEMPLATE = TOOL_FORMATS["hermes"].chat_template()
 
 # What the BPE merges are learnt from: chat turns, tool calls and JSON, so common pieces become single tokens and
@@ -211,15 +316,33 @@ def _corpus(extra: tuple[str, ...] = (), repeat: int = 20) -> Iterator[str]:
         yield from extra
 
 
-def build_tiny_chat_tokenizer(out_dir: str | Path, vocab_size: int = VOCAB_SIZE, tool_format: str = "hermes") -> Path:
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Another model family's whole chat format for the tiny tokenizer (``tests/families.py`` writes GLM-4.7,
+    MiniMax-M2, DeepSeek-V3.2, Kimi-K2-Thinking and gpt-oss's): its template, and the tokens it needs whole."""
+
+    chat_template: str
+    eos_token: str  # one of special_tokens
+    special_tokens: tuple[str, ...]  # role markers, stop tokens: special (SGLang leaves them out of the text)
+    added_tokens: tuple[str, ...] = ()  # markers that stay in the decoded text
+    corpus: tuple[str, ...] = ()
+
+
+def build_tiny_chat_tokenizer(
+    out_dir: str | Path, vocab_size: int = VOCAB_SIZE, tool_format: str = "hermes", spec: TokenizerSpec | None = None
+) -> Path:
     """Train and save the tokenizer into ``out_dir`` (created); returns it. Deterministic for a given corpus and
-    ``tool_format`` (a ``TOOL_FORMATS`` name)."""
+    ``tool_format`` (a ``TOOL_FORMATS`` name), or ``spec`` (a whole chat format of its own)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if tool_format not in TOOL_FORMATS:
         raise ValueError(f"unknown tool format {tool_format!r}; known: {', '.join(TOOL_FORMATS)}")
     chosen = TOOL_FORMATS[tool_format]
+    template = chosen.chat_template() if spec is None else spec.chat_template
+    eos = EOS_TOKEN if spec is None else spec.eos_token
+    special = SPECIAL_TOKENS if spec is None else ("<|endoftext|>", *spec.special_tokens)
+    added = chosen.added_tokens if spec is None else spec.added_tokens
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE())
@@ -227,20 +350,20 @@ def build_tiny_chat_tokenizer(out_dir: str | Path, vocab_size: int = VOCAB_SIZE,
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(chosen.corpus), trainer=trainer)
+    tokenizer.train_from_iterator(_corpus(chosen.corpus if spec is None else spec.corpus), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token=EOS_TOKEN,
+        eos_token=eos,
         pad_token="<|endoftext|>",
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (EOS_TOKEN, "<|endoftext|>")],
+        additional_special_tokens=[t for t in special if t not in (eos, "<|endoftext|>")],
         model_max_length=32768,
     )
-    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in chosen.added_tokens])
-    fast.chat_template = chosen.chat_template()
+    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    fast.chat_template = template
     fast.save_pretrained(str(out))
     # transformers writes the template to chat_template.jinja or into tokenizer_config.json depending on its
     # version; both are read back by from_pretrained.
