@@ -178,6 +178,8 @@ def sample_metadata(session: Session, branch: Branch | None = None) -> dict[str,
         "turns": str(len(sample.turns)),
         "metadata": orjson.dumps(session.metadata).decode(),
     }
+    if branch.record is not None:  # a chat branch: slime's flags over its whole conversation
+        meta["chat"] = orjson.dumps(branch.record.slime_flags()).decode()
     if sample.moe is not None:
         meta["num_layers"] = str(sample.moe.num_layers)
         meta["moe_router_topk"] = str(sample.moe.topk)
