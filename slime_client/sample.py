@@ -102,6 +102,9 @@ class RolloutSample:
     first_difference: int | None = None
     cause: str | None = None
     model: str | None = None
+    # A chat branch: slime's per-sample flags over its whole conversation (``use_tool``, ``ill_formed``); empty for
+    # a token-level session's sample.
+    chat: dict[str, bool] = field(default_factory=dict)
 
     # ---- reading ---------------------------------------------------------------------------------------------
     @classmethod
@@ -160,6 +163,7 @@ class RolloutSample:
                 first_difference=_optional_int(meta, "first_difference"),
                 cause=meta.get("cause") or None,
                 model=meta.get("model") or None,
+                chat=_json_field(meta, "chat", {}),
             )
         except (KeyError, ValueError, orjson.JSONDecodeError) as exc:
             raise GatewayResponseError(f"sample is missing or has an invalid field: {exc!r}") from exc
