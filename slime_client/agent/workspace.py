@@ -48,6 +48,8 @@ async def prepare_workspace(workdir: Path, session_id: str, metadata: Mapping[st
         source = Path(str(task)).expanduser()
         if not source.is_dir():
             raise TaskNotFound(f"the sample's metadata[{task_key!r}] = {str(task)!r} is not a folder")
+        if space.work.resolve().is_relative_to(source.resolve()):
+            raise TaskNotFound(f"the task folder {str(source)!r} holds the workspaces ({workdir}): it cannot be copied")
         shutil.copytree(source, space.work, symlinks=True)
 
     await asyncio.to_thread(build)
