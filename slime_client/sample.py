@@ -184,7 +184,8 @@ class RolloutSample:
 
     def routed_experts_int32(self) -> torch.Tensor | None:
         """Routing as slime trains on it: int32 ``[rows, num_layers, topk]`` (a copy, widened)."""
-        return None if self.rollout_routed_experts is None else self.rollout_routed_experts.to(torch.int32)
+        routed = self.rollout_routed_experts
+        return None if routed is None else routed.to(torch.int32, copy=True)
 
     def check_invariants(self) -> None:
         """docs/protocol.md section 6.6 invariants; raises ``GatewayResponseError`` if the sample breaks them."""
@@ -215,11 +216,14 @@ class RolloutSample:
         return []
 
     # ---- slime -----------------------------------------------------------------------------------------------
-    def to_slime(self, sample: Any) -> Any:
+    def to_slime(self, sample: Any, *, narrow_routing: bool = False) -> Any:
         """Write this sample onto a slime ``Sample`` (duck-typed) with slime's field types; returns ``sample``.
 
         Replaces the response-side fields with the session's (the session is the whole sample). Lists where
-        slime keeps lists; int32 tensors for top-p spans and routed experts (what slime's fold produces).
+        slime keeps lists; int32 tensors for top-p spans and routed experts (what slime's fold produces), copies of
+        their own (a view of the received body would carry the whole body wherever the sample is pickled).
+        ``narrow_routing``: routed experts stored in uint8 (up to 256 experts) stay uint8, a quarter of the bytes
+        and no widening (slime's routing replay widens the rows to int32 when it moves them to the GPU).
         Only slime's own fields: the per-token versions (``rollout_weight_version_ids``, ``weight_version_table``)
         have no ``Sample`` field, so they stay on this object; slime's per-turn ``weight_versions`` is written.
         """
@@ -229,10 +233,12 @@ class RolloutSample:
         sample.loss_mask = self.loss_mask.tolist()
         sample.rollout_log_probs = self.rollout_log_probs.tolist()
         if self.rollout_top_p_token_ids is not None and self.rollout_top_p_token_offsets is not None:
-            sample.rollout_top_p_token_ids = self.rollout_top_p_token_ids.to(torch.int32)
-            sample.rollout_top_p_token_offsets = self.rollout_top_p_token_offsets.to(torch.int32)
-        if self.rollout_routed_experts is not None:
-            sample.rollout_routed_experts = self.routed_experts_int32()
+            sample.rollout_top_p_token_ids = self.rollout_top_p_token_ids.to(torch.int32, copy=True)
+            sample.rollout_top_p_token_offsets = self.rollout_top_p_token_offsets.to(torch.int32, copy=True)
+        routed = self.rollout_routed_experts
+        if routed is not None:
+            keep = narrow_routing and routed.dtype == torch.uint8
+            sample.rollout_routed_experts = routed.clone() if keep else self.routed_experts_int32()
         sample.weight_versions = list(self.weight_versions)
         sample.status = slime_status(sample, self.status)
         set_prefix_cache_totals(sample, cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens)

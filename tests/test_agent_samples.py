@@ -91,8 +91,12 @@ def test_a_branch_becomes_a_sample_exactly_as_the_session_holds_it() -> None:
     assert sample.rollout_log_probs == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5]
     assert torch.equal(sample.rollout_top_p_token_offsets, branch.rollout_top_p_token_offsets)
     assert torch.equal(sample.rollout_top_p_token_ids, branch.rollout_top_p_token_ids)
-    assert sample.rollout_routed_experts.dtype == torch.int32
-    assert torch.equal(sample.rollout_routed_experts, branch.rollout_routed_experts.to(torch.int32))
+    # uint8 as stored (slime widens it on its way to the GPU), a copy of its own (not a view of the fetched body)
+    assert sample.rollout_routed_experts.dtype == torch.uint8
+    assert torch.equal(sample.rollout_routed_experts, branch.rollout_routed_experts)
+    for name in ("rollout_routed_experts", "rollout_top_p_token_ids", "rollout_top_p_token_offsets"):
+        mine, theirs = getattr(sample, name), getattr(branch, name)
+        assert mine.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr(), name
     assert sample.weight_versions == ["v1"] and sample.response == "the response text"
     assert (sample.prefix_cache_info.cached_tokens, sample.prefix_cache_info.total_prompt_tokens) == (3, 5)
     assert sample.status is Sample.Status.COMPLETED and sample.reward == 1.0 and sample.rollout_id == 7

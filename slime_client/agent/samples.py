@@ -9,8 +9,10 @@ The contract is slime's own (``slime.agent.trajectory.TrajectoryManager.get_traj
 - ``status`` COMPLETED, as slime's adapters set it; ``metadata`` gains ``truncated`` (the branch's last model turn
   stopped at its length), ``use_tool`` and ``ill_formed`` (over the branch's whole conversation, the parent's part
   of a fork included), and ``branch`` (its place in the session's tree);
-- ``tokens``, ``response``, ``response_length``, ``loss_mask``, ``rollout_log_probs``, top-p spans, routing,
-  ``weight_versions`` and ``prefix_cache_info`` exactly as the session holds them (``RolloutSample.to_slime``), cut
+- ``tokens``, ``response``, ``response_length``, ``loss_mask``, ``rollout_log_probs``, top-p spans, routing (uint8
+  as the gateway stores it up to 256 experts: slime's routing replay widens it to int32 on its way to the GPU; int32
+  past that), ``weight_versions`` and ``prefix_cache_info`` exactly as the session holds them
+  (``RolloutSample.to_slime``), cut
   to the session's context budget, and to the tokens its routing rows cover: slime's trainer asserts
   ``len(rollout_routed_experts) == len(tokens) - 1``, and the tokens of a turn whose routing never came (a streamed
   turn aborted mid-way) are not trainable with routing replay;
@@ -125,7 +127,7 @@ def branch_to_sample(
     if not bool(kept.loss_mask.any()):
         return None
     sample = copy_sample(base_sample)
-    kept.to_slime(sample)
+    kept.to_slime(sample, narrow_routing=True)
     sample.status = slime_status(sample, "completed")
     sample.rollout_id = rollout_id
     sample.reward = copy.copy(reward)

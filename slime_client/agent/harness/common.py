@@ -49,7 +49,7 @@ def find_cli(name: str, configured: str | None, setting: str) -> Path:
     if not found or not os.access(found, os.X_OK):
         where = f"{setting}={configured!r} is not an executable" if configured else f"no {name!r} on PATH"
         raise HarnessNotFound(f"{where}: install the CLI, or set {setting} to its path")
-    return Path(found)
+    return Path(os.path.abspath(found))  # the CLI runs in the rollout's workspace: a relative path would not hold
 
 
 def install_root(executable: Path) -> Path:
