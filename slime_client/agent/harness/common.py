@@ -75,7 +75,8 @@ class CliHarness(ABC):
         extra_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
     ) -> None:
-        self.executable = executable
+        # Its real path: what a sandbox mounts (``install_root``) must hold the very file the command names.
+        self.executable = Path(os.path.realpath(executable))
         self.sandbox = sandbox
         self.extra_args = tuple(extra_args)
         self.extra_env = dict(extra_env or {})
