@@ -159,6 +159,8 @@ class SessionView(SessionSummary):
     branch: int = Field(description="the branch shown (0: the root)")
     branches: list[BranchSummary]
     metadata: dict[str, Any] | None
+    closed: bool = Field(description="closed (POST /close): every turn asked for is refused")
+    limits: dict[str, int | None] = Field(description="a trainer's caps: max_context_tokens, max_turns (null: none)")
     moe: dict[str, int] | None
     replay: dict[str, Any]
     arrays: dict[str, Any]

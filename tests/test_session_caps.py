@@ -213,6 +213,13 @@ def model_turns(gateway: Service, sid: str) -> list[list[str]]:
     return [[t["kind"] for t in view(gateway, sid, i)["turn_log"]] for i in range(len(branches))]
 
 
+def test_the_view_shows_the_caps(chat_gateway: Service) -> None:
+    sid = f"caps-view-{time.monotonic_ns()}"
+    assert create(chat_gateway, sid, max_turns=3).status_code == 201
+    state = view(chat_gateway, sid)
+    assert state["limits"] == {"max_context_tokens": None, "max_turns": 3} and state["closed"] is False
+
+
 def test_caps_are_checked_when_the_session_is_created(chat_gateway: Service) -> None:
     for fields in ({"max_turns": 0}, {"max_context_tokens": 0}, {"max_turns": "2"}, {"max_context_tokens": -5}):
         response = create(chat_gateway, f"bad-caps-{time.monotonic_ns()}", **fields)
@@ -236,6 +243,7 @@ def test_a_closed_session_refuses_every_turn_in_the_apis_shape(
     assert closed.status_code == 200, closed.text
     assert closed.json() | {"closed": True, "drained": True, "aborted_rids": []} == closed.json()
     before = view(chat_gateway, sid)
+    assert before["closed"] is True
     response = post(chat_gateway, sid, api, text="after the close")
     assert response.status_code == 409, response.text
     kind, message = error_of(api, response)
