@@ -110,18 +110,3 @@ def test_agent_rl_example_turns_rollouts_into_slimes_samples(chat_gateway: Servi
         assert f"rollout_routed_experts=({tokens - 1}, {SIM_LAYERS}, {SIM_TOPK})" in line
     assert "the samples pass slime's checks" in out
     assert "sessions left on the gateway by these rollouts: 0" in out
-
-
-def test_agent_rl_example_with_claude_code(chat_sim: Service, tokenizer_dir: Path) -> None:
-    """The same with ``--agent claude_code`` (the pinned CLI), on a gateway whose context holds Claude Code's prompt."""
-    from conftest import run_gateway
-    from test_harnesses import harness
-
-    claude = harness("claude")
-    env = {"GATEWAY_CHAT_CONTEXT_TOKENS": "262144"}
-    with run_gateway(chat_sim.url, "--tokenizer", str(tokenizer_dir), "--log-level", "warning", env=env) as gateway:
-        args = ["--gateway", gateway.url, "--script-simulator", chat_sim.url, "--samples", "1"]
-        args += ["--agent", "claude_code", "--cli", str(claude)]
-        result = run_example("examples/agent_rl.py", *args)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "reward=1.0" in result.stdout and "agent_exit_code=0" in result.stdout
