@@ -211,7 +211,7 @@ class AgentFinishShape:
     sub_turns: int = 8
     system_bytes: int = 30_000
     tool_result_bytes: int = 2_300
-    sessions: int = 3
+    sessions: int = 5
     raw_repeat: int = 3
     rollout_turns: int = 16
     rollouts: int = 2
