@@ -94,7 +94,8 @@ clean:
 # `make image`: wheels into docker/.wheels (so the image build needs no network), resolved for the image's own
 # interpreter (docker/wheels.sh), then the image.
 # `make test-docker`: the opt-in Docker tier (not part of `make test`): a Docker engine (scripts/docker_engine.sh
-# installs and starts one on machines without a daemon or Docker Hub), the image, then tests/test_docker.py.
+# installs and starts one on machines without a daemon or Docker Hub), the image, then tests/test_docker.py and the
+# agent rollouts' Docker sandbox (tests/test_agent_docker_sandbox.py: Claude Code and Codex in containers).
 IMAGE ?= slime-gateway:latest
 LOCAL_BASE_IMAGE ?= local/debian-python:bookworm
 # python:3.11-slim (pulled if need be); on a machine without Docker Hub, the debootstrap-built local base when it
@@ -119,5 +120,5 @@ image: install
 test-docker: install
 	bash scripts/docker_engine.sh up
 	$(MAKE) --no-print-directory image
-	@echo "==> test-docker: pytest -m docker tests/test_docker.py (image $(IMAGE))"
-	GATEWAY_IMAGE=$(IMAGE) $(PY) -m pytest -v -s -m docker tests/test_docker.py
+	@echo "==> test-docker: pytest -m docker tests/test_docker.py tests/test_agent_docker_sandbox.py (image $(IMAGE))"
+	GATEWAY_IMAGE=$(IMAGE) $(PY) -m pytest -v -s -m docker tests/test_docker.py tests/test_agent_docker_sandbox.py

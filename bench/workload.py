@@ -202,6 +202,22 @@ class ClusterShape:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentFinishShape:
+    """Row 19: a Claude-Code-shaped session of ``main_turns`` + ``sub_turns`` turns (a main conversation and a
+    subagent's), ``sessions`` of them, each finished once (``finish_session`` consumes it); and ``rollouts`` whole
+    rollouts of ``rollout_turns`` model turns through ``generate``."""
+
+    main_turns: int = 56
+    sub_turns: int = 8
+    system_bytes: int = 30_000
+    tool_result_bytes: int = 2_300
+    sessions: int = 5
+    raw_repeat: int = 3
+    rollout_turns: int = 16
+    rollouts: int = 2
+
+
+@dataclass(frozen=True, slots=True)
 class Suite:
     """Every size the rows use. ``FULL`` is the realistic shape; ``QUICK`` keeps the smoke test fast."""
 
@@ -223,6 +239,7 @@ class Suite:
     replicas: ReplicaShape
     agent_loop: AgentLoopShape = AgentLoopShape()
     cluster: ClusterShape = ClusterShape()
+    agent_finish: AgentFinishShape = AgentFinishShape()
 
     @property
     def moe(self) -> MoE:
@@ -269,6 +286,9 @@ QUICK = Suite(
     replicas=ReplicaShape(sessions=4, loops=1, prompt_tokens=128, turn_tokens=128, tool_tokens=16, rounds=1),
     agent_loop=AgentLoopShape(turns=24, tool_result_bytes=512, window=4),
     cluster=ClusterShape(agents=4, sessions=1, turns=2, rounds=1),
+    agent_finish=AgentFinishShape(
+        main_turns=6, sub_turns=2, system_bytes=4_000, tool_result_bytes=500, sessions=1, raw_repeat=1, rollout_turns=3
+    ),
 )
 
 

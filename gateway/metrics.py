@@ -96,6 +96,20 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.sessions_closed = Counter(
+            "gateway_sessions_closed",
+            "Sessions closed for their samples (POST /v1/sessions/{id}/close), by outcome: drained (no turn left), "
+            "busy (a turn still held it after the wait and the abort)",
+            ["outcome"],
+            registry=r,
+        )
+        self.chat_refused = Counter(
+            "gateway_chat_refused",
+            "Chat requests refused by a session's own caps or state: closed, turn_limit, context_budget",
+            ["reason"],
+            registry=r,
+        )
+
     def track_store(self, sessions: Callable[[], int], running: Callable[[], int], stored: Callable[[], int]) -> None:
         self.registry.register(_StoreCollector(sessions, running, stored))
 

@@ -63,12 +63,12 @@ ERROR_STATUSES: dict[int, str] = {
     405: "method_not_allowed (the Allow header lists the methods the path takes)",
     408: "header_timeout / body_timeout: the request head or body did not arrive in time (the connection is closed)",
     409: "session_exists, session_busy (a turn is running), session_mismatch (sync), history_mismatch (chat), "
-    "session_conflict (a valid body this session cannot take now: no prompt yet, routing without a MoE shape, "
-    "top-p replay from the middle of a sample)",
+    "session_closed (a turn on a closed session), session_conflict (a valid body this session cannot take now: no "
+    "prompt yet, routing without a MoE shape, top-p replay from the middle of a sample)",
     413: "request_too_large (GATEWAY_MAX_REQUEST_BYTES, GATEWAY_CHAT_MAX_TOOLS_BYTES) or session_too_long "
     "(GATEWAY_MAX_SESSION_TOKENS)",
     422: "invalid_request: the body or a parameter is not what this document says (errors lists each problem)",
-    429: "too_many_sessions (GATEWAY_MAX_SESSIONS)",
+    429: "too_many_sessions (GATEWAY_MAX_SESSIONS), turn_limit_reached (the session's max_turns: chat routes)",
     500: "internal_error: a bug (the reference is in the gateway log)",
     501: "chat_not_configured: the gateway was started without a tokenizer",
     502: "upstream_error, upstream_protocol_error, replay_data_dropped, upstream_connection_lost: the upstream's "
@@ -159,6 +159,8 @@ class SessionView(SessionSummary):
     branch: int = Field(description="the branch shown (0: the root)")
     branches: list[BranchSummary]
     metadata: dict[str, Any] | None
+    closed: bool = Field(description="closed (POST /close): every turn asked for is refused")
+    limits: dict[str, int | None] = Field(description="a trainer's caps: max_context_tokens, max_turns (null: none)")
     moe: dict[str, int] | None
     replay: dict[str, Any]
     arrays: dict[str, Any]
@@ -194,6 +196,14 @@ class AbortAnswer(SessionSummary):
     rids: list[str] | None = Field(None, description="every aborted turn's (one per branch with a turn running)")
     finished: bool | None = Field(None, description="the aborted turns ended within the wait")
     instance_id: str | None = Field(None, description="the replica running the turn, when another one runs it")
+
+
+class CloseAnswer(SessionSummary):
+    closed: Literal[True]
+    drained: bool = Field(description="no turn holds the session any more (false: one still ran after the abort)")
+    waited_s: float = Field(description="how long the close took")
+    aborted_rids: list[str] = Field(description="the turns that were still running at the end of the wait, aborted")
+    instance_id: str | None = Field(None, description="the replica that still runs a turn on it, when another does")
 
 
 class Health(BaseModel):

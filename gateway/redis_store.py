@@ -57,7 +57,7 @@ from gateway.buffers import GrowableArray
 from gateway.chat.conversation import ChatRecord
 from gateway.errors import SessionBusy, SessionExists, SessionNotFound, StoreUnavailable
 from gateway.sample import MoEShape, SessionSample, Status, TurnRecord
-from gateway.store import Branch, Session, SessionQuery, SessionStore, Trajectory, page_of
+from gateway.store import Branch, Session, SessionLimits, SessionQuery, SessionStore, Trajectory, page_of
 
 log = logging.getLogger("gateway.redis_store")
 
@@ -189,6 +189,14 @@ for _, key in ipairs(KEYS) do redis.call('DEL', key) end
 return {'ok'}
 """
 
+# KEYS[1]: the session's hash. Marks the session closed (``SessionStore.close``) if it exists: a field of its own, which
+# no write touches and every replica's ``get`` reads with the stamp. Answers 1, or 0 for no such session.
+_CLOSE = """#!lua
+if not redis.call('HGET', KEYS[1], 'stamp') then return 0 end
+redis.call('HSET', KEYS[1], 'closed', '1')
+return 1
+"""
+
 # Deletes the lease, or extends it, only while it is ours (a lease that ran out may be another replica's now).
 _UNLOCK = "#!lua\nif redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 _RENEW = (
@@ -314,10 +322,11 @@ class RedisSessionStore(SessionStore):
         self._count = 0
         self._renewer: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
-        self._scripts = [Script(text) for text in (_ACQUIRE, _WRITE, _DELETE, _UNLOCK, _RENEW)]
+        self._scripts = [Script(text) for text in (_ACQUIRE, _WRITE, _DELETE, _UNLOCK, _RENEW, _CLOSE)]
         self._acquire_script, self._write_script, self._delete_script, self._unlock_script, self._renew_script = (
-            self._scripts
+            self._scripts[:5]
         )
+        self._close_script = self._scripts[5]
 
     # ---- life ------------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -381,8 +390,9 @@ class RedisSessionStore(SessionStore):
         session_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        limits: SessionLimits | None = None,
     ) -> Session:
-        session = self._new_session(sample, session_id, metadata, sampling_defaults)
+        session = self._new_session(sample, session_id, metadata, sampling_defaults, limits)
         sid = session.session_id
         with self._errors("create"):
             self._check_session_count(await self.redis.zcard(self._keys.index))
@@ -399,11 +409,25 @@ class RedisSessionStore(SessionStore):
         if local is not None and local.busy:  # a turn runs here: this copy is the newest there is
             return local
         with self._errors("read"):
-            incarnation, stamp = await self.redis.hmget(self._keys.session(session_id), "incarnation", "stamp")
+            incarnation, stamp, closed = await self.redis.hmget(
+                self._keys.session(session_id), "incarnation", "stamp", "closed"
+            )
         if stamp is None:
             self._forget(session_id)
             raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
-        return await self._fresh(session_id, ((incarnation or b"").decode(), stamp.decode()))
+        session = await self._fresh(session_id, ((incarnation or b"").decode(), stamp.decode()))
+        session.closed = session.closed or closed is not None  # closed by any replica, at no extra round trip
+        return session
+
+    async def close(self, session_id: str) -> Session:
+        with self._errors("close"):
+            found = await self._close_script(self.redis, [self._keys.session(session_id)], [])
+        if not found:
+            self._forget(session_id)
+            raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
+        session = await self.get(session_id)
+        session.closed = True  # a turn running here keeps this copy as it is (``get`` does not read Redis then)
+        return session
 
     async def _fresh(self, session_id: str, current: tuple[str, str]) -> Session:
         """The session as Redis has it now (``current``: its incarnation and stamp): the local copy when it is that
@@ -911,7 +935,7 @@ def _raw(array: np.ndarray) -> memoryview:
 
 
 # ---- the session's hash: its small fields --------------------------------------------------------------------------
-SESSION_FIELDS = ("samples", "metadata", "sampling_defaults", "created_at", "updated_at", "summary")
+SESSION_FIELDS = ("samples", "metadata", "sampling_defaults", "limits", "created_at", "updated_at", "summary")
 # One hash field per branch, "branch:{sample id}": its place in the tree and its chat record (written when it changed:
 # a turn rewrites only its own branch's).
 BRANCH_FIELD = "branch:"
@@ -927,6 +951,7 @@ def _session_fields(
         "samples": orjson.dumps(_layout(pending)),
         "metadata": orjson.dumps(session.metadata),
         "sampling_defaults": orjson.dumps(session.sampling_defaults),
+        "limits": orjson.dumps(session.limits.to_json()),
         "created_at": repr(session.created_at).encode(),
         "updated_at": repr(session.updated_at).encode(),
         "summary": orjson.dumps(session.listing() | {"busy": False}),
@@ -970,6 +995,8 @@ def _session_from_fields(
         sampling_defaults=orjson.loads(fields["sampling_defaults"]),
         created_at=float(fields["created_at"]),
         updated_at=float(fields["updated_at"]),
+        limits=SessionLimits.from_json(orjson.loads(fields["limits"]) if "limits" in fields else None),
+        closed="closed" in fields,
     )
 
 

@@ -268,6 +268,15 @@ class SessionCreate(_Body):
     session_id: SessionId | None = None
     metadata: Metadata | None = None
     sampling_defaults: SamplingParamsDict | None = None
+    # A trainer's caps on the session's chat turns (slime's max_context_tokens and max_turns_per_sid); none by default
+    max_context_tokens: Annotated[int, WholeNumber(gt=0, le=INT32_MAX)] | None = Field(
+        None,
+        description="no branch of the session grows past this many tokens: a chat prompt over it is refused in the "
+        "API's context-overflow words, an answer that would pass it is cut to what is left",
+    )
+    max_turns: Annotated[int, WholeNumber(gt=0, le=INT32_MAX)] | None = Field(
+        None, description="model turns over all the session's branches; past it a chat request is a 429"
+    )
     generate: FirstTurn | None = None  # run the first model turn at once
 
     @model_validator(mode="after")
@@ -277,6 +286,16 @@ class SessionCreate(_Body):
         if self.generate is not None and self.prompt_ids is None:
             raise ValueError("generate needs prompt_ids (a chat session gets its prompt from its first chat request)")
         return self
+
+
+MAX_CLOSE_WAIT_S = 3600
+
+
+class SessionClose(_Body):
+    """``POST /v1/sessions/{id}/close``: how long running turns may take to end by themselves before they are
+    aborted."""
+
+    wait_timeout_s: number(ge=0, le=MAX_CLOSE_WAIT_S) = Field(5.0, description="seconds (0: abort at once)")
 
 
 class SampleBatchRequest(_Body):
@@ -310,3 +329,4 @@ SessionCreateBody = Annotated[SessionCreate, Depends(json_body(SessionCreate, to
 TurnCreateBody = Annotated[TurnCreate, Depends(json_body(TurnCreate))]
 ToolAppendBody = Annotated[ToolAppend, Depends(json_body(ToolAppend, token_array="token_ids"))]
 SampleBatchBody = Annotated[SampleBatchRequest, Depends(json_body(SampleBatchRequest))]
+SessionCloseBody = Annotated[SessionClose, Depends(json_body(SessionClose))]

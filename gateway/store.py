@@ -25,6 +25,7 @@ import orjson
 
 from gateway.errors import (
     SessionBusy,
+    SessionClosed,
     SessionExists,
     SessionMismatch,
     SessionNotFound,
@@ -90,6 +91,23 @@ class Branch:
         self.updated_at = time.time()
 
 
+@dataclass(frozen=True, slots=True)
+class SessionLimits:
+    """A trainer's caps on one session's chat turns (slime's ``max_context_tokens`` and ``max_turns_per_sid``), set
+    when it is created; None: no cap. ``sampling_defaults.max_new_tokens`` caps each chat answer besides."""
+
+    max_context_tokens: int | None = None  # no branch longer: a prompt over it is refused, an answer cut to fit
+    max_turns: int | None = None  # model turns over all its branches; past it a chat request is a 429
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max_context_tokens": self.max_context_tokens, "max_turns": self.max_turns}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any] | None) -> SessionLimits:
+        value = value or {}
+        return cls(max_context_tokens=value.get("max_context_tokens"), max_turns=value.get("max_turns"))
+
+
 @dataclass
 class Session:
     session_id: str
@@ -99,6 +117,8 @@ class Session:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     counted_bytes: int = 0  # stored_bytes when the store last counted it (see SessionStore.growing)
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    closed: bool = False  # ``SessionStore.close``: no more turns (its samples are being taken)
 
     @classmethod
     def of(cls, session_id: str, sample: SessionSample, **fields: Any) -> Session:
@@ -124,6 +144,18 @@ class Session:
 
     def index(self, branch: Branch) -> int:
         return next(i for i, known in enumerate(self.branches) if known is branch)
+
+    def model_turns(self) -> int:
+        """Model turns folded into any of its branches (each branch's turn log holds only its own)."""
+        return sum(1 for branch in self.branches for turn in branch.sample.turns if turn.kind == "model")
+
+    def check_open(self) -> None:
+        """``SessionClosed`` once the session was closed (``SessionStore.close``)."""
+        if self.closed:
+            raise SessionClosed(
+                f"session {self.session_id!r} is closed: its rollout is over and its samples are being taken",
+                session_id=self.session_id,
+            )
 
     def summary(self) -> dict[str, Any]:
         """What ``GET /v1/sessions`` lists and every view starts with: the root branch, and how many there are."""
@@ -312,11 +344,12 @@ class SessionStore:
         session_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        limits: SessionLimits | None = None,
     ) -> Session:
         if session_id is not None and session_id in self._sessions:
             raise SessionExists(f"session {session_id!r} already exists", session_id=session_id)
         self._check_session_count(len(self._sessions))
-        session = self._new_session(sample, session_id, metadata, sampling_defaults)
+        session = self._new_session(sample, session_id, metadata, sampling_defaults, limits)
         self._register(session)
         return session
 
@@ -326,12 +359,17 @@ class SessionStore:
         session_id: str | None,
         metadata: dict[str, Any] | None,
         sampling_defaults: dict[str, Any] | None,
+        limits: SessionLimits | None = None,
     ) -> Session:
         """A new session, checked against the limits of this process; not stored yet."""
         self._check_tokens(len(sample.tokens), "the prompt has")
         self._check_store_room(sample.stored_bytes)
         return Session.of(
-            session_id or uuid.uuid4().hex, sample, metadata=metadata or {}, sampling_defaults=sampling_defaults or {}
+            session_id or uuid.uuid4().hex,
+            sample,
+            metadata=metadata or {},
+            sampling_defaults=sampling_defaults or {},
+            limits=limits or SessionLimits(),
         )
 
     def _check_session_count(self, held: int) -> None:
@@ -360,6 +398,13 @@ class SessionStore:
             return self._sessions[session_id]
         except KeyError:
             raise SessionNotFound(f"no session {session_id!r}", session_id=session_id) from None
+
+    async def close(self, session_id: str) -> Session:
+        """Mark the session closed: every turn asked for from now on is refused (``SessionClosed``); turns already
+        running go on (``gateway.closing`` waits for them). Idempotent."""
+        session = self.local(session_id)
+        session.closed = True
+        return session
 
     async def delete(self, session_id: str) -> None:
         session = self.local(session_id)

@@ -61,6 +61,7 @@ class TurnPlan:
 
 
 def plan_turn(trajectory: Trajectory, request: TurnCreate, *, incremental_routing: bool = True) -> TurnPlan:
+    trajectory.session.check_open()
     if request.sync is not None:
         trajectory.check_sync(request.sync.total_tokens, request.sync.last_tokens)
     sample = trajectory.sample

@@ -39,6 +39,8 @@ def session_view(session: Session, branch: int | None = None) -> dict[str, Any]:
         | {
             "branch": session.index(chosen),
             "metadata": session.metadata,
+            "closed": session.closed,  # POST /close: no more turns (its samples are being taken)
+            "limits": session.limits.to_json(),  # a trainer's caps (max_context_tokens, max_turns)
             "moe": None if sample.moe is None else {"num_layers": sample.moe.num_layers, "topk": sample.moe.topk},
             "replay": {
                 "routed_experts": "rollout_routed_experts" in arrays,
@@ -178,6 +180,8 @@ def sample_metadata(session: Session, branch: Branch | None = None) -> dict[str,
         "turns": str(len(sample.turns)),
         "metadata": orjson.dumps(session.metadata).decode(),
     }
+    if branch.record is not None:  # a chat branch: slime's flags over its whole conversation
+        meta["chat"] = orjson.dumps(branch.record.slime_flags()).decode()
     if sample.moe is not None:
         meta["num_layers"] = str(sample.moe.num_layers)
         meta["moe_router_topk"] = str(sample.moe.topk)

@@ -154,10 +154,16 @@ class GatewayClient:
         session_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         sampling_defaults: Mapping[str, Any] | None = None,
+        max_context_tokens: int | None = None,
+        max_turns: int | None = None,
     ) -> Session:
         """Start a session from prompt token ids; give ``num_layers`` and ``moe_router_topk`` for routing replay.
-        Without ``prompt_ids``: a chat session, whose first chat request renders the prompt (``openai_base_url``)."""
+        Without ``prompt_ids``: a chat session, whose first chat request renders the prompt (``openai_base_url``).
+        A chat session's caps (a trainer's, slime's): ``max_context_tokens`` (no branch longer: a prompt over it is
+        refused, an answer cut to what is left), ``max_turns`` (model turns; past it chat requests are 429s), and
+        ``sampling_defaults["max_new_tokens"]`` (every answer's length, at most)."""
         body = session_body(prompt_ids, num_layers, moe_router_topk, session_id, metadata, sampling_defaults)
+        body.update({k: v for k, v in (("max_context_tokens", max_context_tokens), ("max_turns", max_turns)) if v})
         answer = await self._json("POST", "/v1/sessions", body=body, idempotent=False)
         summary = SessionSummary.from_json(answer)
         return Session(self, summary.session_id, summary=summary)
@@ -393,6 +399,13 @@ class Session:
         """Abort the running turn (answers once it ended, its tokens folded in, status aborted)."""
         answer = await self.client._json("POST", f"{self._path}/abort", idempotent=False)
         return SessionSummary.from_json(answer)
+
+    async def close(self, wait_timeout_s: float = 5.0) -> dict[str, Any]:
+        """Close the session before taking its samples: every turn asked for from now on is refused; running turns get
+        ``wait_timeout_s`` to end, then are aborted. Answers once they have ended (``drained``), or the abort was
+        not enough (``drained`` false: a turn still holds it). Idempotent (safe to send again)."""
+        body = {"wait_timeout_s": wait_timeout_s}
+        return await self.client._json("POST", f"{self._path}/close", body=body, idempotent=True)
 
     async def append(
         self, token_ids: Sequence[int], text: str | None = None, *, sync: SessionSync | None = None

@@ -232,10 +232,15 @@ def check_trajectory(
     whose model tokens are ``answers`` (the scripted texts, in order); returns that branch's full view."""
     view = full_view(url, sid, headers, branch)
     assert view["branch"] == branch and len(view["branches"]) == branches, f"branches: {view['branches']}"
+    check_recorded(view, session_sample(url, sid, headers, branch), tokenizer, answers)
+    return view
+
+
+def check_recorded(view: dict[str, Any], arrays: dict[str, np.ndarray], tokenizer: Any, answers: list[str]) -> None:
+    """``check_trajectory`` on a branch's full view and sample as read (``arrays``: its safetensors tensors)."""
     record = view["chat"]["record"]
     messages, tools = template_messages(record)
     assert [m["role"] for m in messages].count("assistant") == len(answers), [m["role"] for m in messages]
-    arrays = session_sample(url, sid, headers, branch)
     tokens, mask = arrays["tokens"].tolist(), arrays["loss_mask"]
     eos = tokenizer.eos_token_id
     expected = render_ids(tokenizer, messages, tools, prompt=False)
@@ -253,7 +258,6 @@ def check_trajectory(
         trained[start : start + len(ids)] = True
     # The sample's loss mask covers the response (what follows the prompt).
     np.testing.assert_array_equal(mask.astype(bool), trained[prompt_length:])
-    return view
 
 
 def check_turn_by_turn(

@@ -273,6 +273,39 @@ def test_a_chat_session_moves_between_replicas(
             np.testing.assert_array_equal(array, arrays[1][name], err_msg=name)
 
 
+def test_a_sessions_caps_and_its_close_hold_on_every_replica(
+    redis_server: RedisServer, tokenizer_dir: Any, chat_sim: Service
+) -> None:
+    """A trainer's caps (created through A) cut and refuse turns through B; a close through B refuses turns through A,
+    in each API's shape, and survives A reloading the session from Redis."""
+    env = redis_env(redis_server.url, f"caps-{uuid.uuid4().hex[:8]}")
+    args = ("--tokenizer", str(tokenizer_dir), "--log-level", "warning")
+    with run_gateway(chat_sim.url, *args, env=env) as a, run_gateway(chat_sim.url, *args, env=env) as b:
+        sid = f"caps-{uuid.uuid4().hex[:8]}"
+        body = {
+            "session_id": sid,
+            "sampling_defaults": {"max_new_tokens": 3},
+            "max_turns": 2,
+            "max_context_tokens": 500,
+        }
+        httpx.post(f"{a.url}/v1/sessions", json=body).raise_for_status()
+        answers = [{"text": "one two three four five six"}]
+        httpx.post(f"{chat_sim.url}/sim/script", json={"rid_prefix": f"{sid}-", "answers": answers}).raise_for_status()
+        chat = {"model": "tiny", "max_tokens": 30, "messages": [{"role": "user", "content": "count"}]}
+        answer = httpx.post(f"{b.url}/v1/sessions/{sid}/chat/completions", json=chat, timeout=30).json()
+        assert answer["usage"]["completion_tokens"] == 3 and answer["choices"][0]["finish_reason"] == "length"
+        assert view(a, sid)["total_tokens"] == view(b, sid)["total_tokens"]  # A reads B's turn: the caps came along
+        closed = httpx.post(f"{b.url}/v1/sessions/{sid}/close", json={"wait_timeout_s": 1}, timeout=30)
+        assert closed.status_code == 200 and closed.json()["drained"] is True
+        messages = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "more"}]}
+        refused = httpx.post(f"{a.url}/v1/sessions/{sid}/v1/messages", json=messages, timeout=30)
+        assert refused.status_code == 409 and refused.json()["error"]["gateway_type"] == "session_closed"
+        with run_gateway(chat_sim.url, *args, env=env) as c:  # a replica that loads the session fresh
+            again = httpx.post(f"{c.url}/v1/sessions/{sid}/chat/completions", json=chat, timeout=30)
+            assert again.status_code == 409 and again.json()["error"]["code"] == "session_closed"
+        assert httpx.delete(f"{a.url}/v1/sessions/{sid}").status_code == 204
+
+
 # ---- a session is its incarnation, not its id ----------------------------------------------------------------------
 def test_a_session_deleted_and_created_again_elsewhere_is_never_served_stale(simulator: Service, store: str) -> None:
     """A cached the first session; B deletes it and creates another under the same id: A must serve and extend

@@ -45,6 +45,8 @@ from gateway.errors import (
     PreviousResponseNotFound,
     RequestTooLarge,
     SessionBusy,
+    SessionClosed,
+    TurnLimitReached,
 )
 from gateway.schemas import TurnCreate
 from gateway.state import GatewayState
@@ -54,6 +56,13 @@ from gateway.turns import FoldedTurn, StreamTurn, open_stream_turn, run_turn
 log = logging.getLogger("gateway.chat")
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _smallest(*limits: int | None) -> int | None:
+    known = [limit for limit in limits if limit is not None]
+    return min(known) if known else None
+
+
 # The answer's length when a request names none, the context length unknown and no default configured.
 FALLBACK_MAX_TOKENS = 8192
 
@@ -151,11 +160,13 @@ class ChatService:
         """Everything before the model turn: the request resolved and planned against the session's tree, the branch
         it continues (or starts) held, its new tokens added; with the undo of those, for when the turn fails."""
         session = await state.store.get(session_id)
+        self._admit(state, session, holding=False)  # before any rendering
         request = self.resolve(session, request)
         plan = await self._plan(state, session, request)
-        request = self._with_length(request, plan.tokens_after())
+        request = self._with_length(session, request, plan.tokens_after())
         trajectory = await self._hold(state, session, plan, request)
         try:
+            self._admit(state, session, holding=True)  # again, exactly: other requests ran while this one planned
             undo = self._begin(state, trajectory, plan)
         except BaseException:
             if plan.branch is None:
@@ -241,17 +252,57 @@ class ChatService:
         match = match_request(session, request, settings.drift_policy)  # comparisons only: on the loop
         # The template and the tokenizer: off the loop when what they render is long.
         size = render_size(self.template, match, request, settings.rewrite_policy)
-        if check_context:  # a text that cannot fit is refused before seconds of encoding
-            self._check_context(match.tokens_before + self.template.fewest_tokens(size), None, at_least=True)
-        plan = await state.run_cpu(size, lambda: plan_match(self.template, match, request, settings.rewrite_policy))
-        if check_context:
-            self._check_context(plan.tokens_after(), request.max_tokens)
+        budget = session.limits.max_context_tokens
+        try:
+            if check_context:  # a text that cannot fit is refused before seconds of encoding
+                fewest = match.tokens_before + self.template.fewest_tokens(size)
+                self._check_context(fewest, None, limit=_smallest(self.context_tokens, budget), at_least=True)
+            plan = await state.run_cpu(size, lambda: plan_match(self.template, match, request, settings.rewrite_policy))
+            if check_context:
+                prompt = plan.tokens_after()
+                self._check_context(prompt, None, limit=budget)  # the session's budget: the prompt alone
+                # The model's context: with the length the request asked for, as the session's caps cut it.
+                asked = None if request.max_tokens is None else self.answer_length(session, request, prompt)
+                self._check_context(prompt, asked, limit=self.context_tokens)
+        except ContextLengthExceeded as exc:
+            if budget is not None and exc.details["context_tokens"] == budget:
+                state.metrics.chat_refused.labels("context_budget").inc()
+            raise
         return plan
 
-    def _with_length(self, request: ChatRequest, prompt_tokens: int) -> ChatRequest:
-        """The request with the answer's length limit it runs with: its own, else the default."""
-        max_tokens = request.max_tokens if request.max_tokens is not None else self.default_max_tokens(prompt_tokens)
-        return replace(request, max_tokens=max_tokens)
+    def _with_length(self, session: Session, request: ChatRequest, prompt_tokens: int) -> ChatRequest:
+        """The request with the answer's length limit it runs with (``answer_length``)."""
+        return replace(request, max_tokens=self.answer_length(session, request, prompt_tokens))
+
+    def answer_length(self, session: Session, request: ChatRequest, prompt_tokens: int) -> int:
+        """The answer's length limit: the request's own (else the default), cut by the session's caps as slime cuts a
+        turn: its ``sampling_defaults.max_new_tokens`` and what is left of its ``max_context_tokens``."""
+        length = request.max_tokens if request.max_tokens is not None else self.default_max_tokens(prompt_tokens)
+        cap = session.sampling_defaults.get("max_new_tokens")
+        budget = session.limits.max_context_tokens
+        left = None if budget is None else budget - prompt_tokens
+        return min(value for value in (length, cap, left) if value is not None)
+
+    def _admit(self, state: GatewayState, session: Session, *, holding: bool) -> None:
+        """Refuse a turn on a closed session, or past its ``max_turns`` (``holding``: the request holds a branch
+        already, so the running turns count it)."""
+        try:
+            session.check_open()
+        except SessionClosed:
+            state.metrics.chat_refused.labels("closed").inc()
+            raise
+        cap = session.limits.max_turns
+        if cap is None:
+            return
+        turns = session.model_turns() + sum(1 for branch in session.branches if branch.busy) + (0 if holding else 1)
+        if turns > cap:
+            state.metrics.chat_refused.labels("turn_limit").inc()
+            raise TurnLimitReached(
+                f"session {session.session_id!r} has run its {cap} model turns (max_turns): the rollout ends here",
+                setting="max_turns",
+                limit=cap,
+                session_id=session.session_id,
+            )
 
     def default_max_tokens(self, prompt_tokens: int) -> int:
         left = None if self.context_tokens is None else self.context_tokens - prompt_tokens
@@ -260,9 +311,16 @@ class ChatService:
             return left if left is not None else FALLBACK_MAX_TOKENS
         return configured if left is None else min(configured, left)
 
-    def _check_context(self, prompt_tokens: int, max_tokens: int | None, *, at_least: bool = False) -> None:
-        """``at_least``: ``prompt_tokens`` is a lower bound (the text not encoded yet)."""
-        limit = self.context_tokens
+    def _check_context(
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        *,
+        limit: int | None,
+        at_least: bool = False,
+    ) -> None:
+        """Refuse what does not fit ``limit`` tokens (the model's context, or a session's budget; None: no limit).
+        ``at_least``: ``prompt_tokens`` is a lower bound (the text not encoded yet)."""
         if limit is None:
             return
         if prompt_tokens >= limit:
@@ -311,7 +369,7 @@ class ChatService:
         parsed, reasoning = self.parse(request, plan, folded.plan.turn.text, state)
         reply = self.reply(folded, parsed, reasoning)
         stored = folded.summary["rid"] if request.api == "responses" and request.store else None
-        record_reply(trajectory, request, plan, reply.message, stored)
+        record_reply(trajectory, request, plan, reply.message, stored, unparsed=parsed.failed)
         if trajectory.branch.model is None:
             trajectory.branch.model = request.model
         mode = "stream" if request.stream else "unary"

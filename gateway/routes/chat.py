@@ -38,7 +38,7 @@ _API_PATH = re.compile(r"^/v1/sessions/[^/]+/(?:(v1)(?:/|$)|(chat|responses|mode
 
 
 # Every chat route may answer these, in its API's own error shape (an ``error`` object with ``type`` and ``message``).
-CHAT_ERRORS = doc.errors(*doc.BODY_ERRORS, *doc.UPSTREAM_ERRORS, 404, 409, 501, 507)
+CHAT_ERRORS = doc.errors(*doc.BODY_ERRORS, *doc.UPSTREAM_ERRORS, 404, 409, 429, 501, 507)
 
 
 def _answers(description: str, answer: dict[str, Any]) -> dict[int | str, dict[str, Any]]:

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from gateway import openapi as doc
+from gateway.closing import close_session
 from gateway.codec import safetensors_stream
 from gateway.errors import GatewayError
 from gateway.responses import SAFETENSORS_MEDIA_TYPE, SafetensorsResponse, json_response, safetensors_response
@@ -19,6 +20,8 @@ from gateway.sample import MoEShape, SessionSample, Status
 from gateway.schemas import (
     SampleBatchBody,
     SampleBatchRequest,
+    SessionClose,
+    SessionCloseBody,
     SessionCreate,
     SessionCreateBody,
     ToolAppend,
@@ -27,6 +30,7 @@ from gateway.schemas import (
     TurnCreateBody,
 )
 from gateway.state import GatewayState, StateDep
+from gateway.store import SessionLimits
 from gateway.turns import ABORT_GRACE_S, FoldedTurn, open_stream_turn, run_turn
 from gateway.views import full_view, group_payload, sample_payload, session_summary, session_view, turn_payload
 
@@ -59,6 +63,7 @@ async def create_session(body: SessionCreateBody, state: StateDep, request: Requ
         session_id=body.session_id,
         metadata=body.metadata,
         sampling_defaults=body.sampling_defaults,
+        limits=SessionLimits(max_context_tokens=body.max_context_tokens, max_turns=body.max_turns),
     )
     if body.generate is None:
         return json_response(session_summary(session), status_code=201)
@@ -203,6 +208,25 @@ async def abort(session_id: str, state: StateDep) -> Response:
 
 
 @router.post(
+    "/sessions/{session_id}/close",
+    operation_id="close_session",
+    openapi_extra=doc.json_request(SessionClose, required=False),
+    responses={
+        **doc.answers(
+            200, "the session's summary, and how its turns were drained", (doc.JSON, doc.ref(doc.CloseAnswer))
+        ),
+        **doc.errors(*doc.BODY_ERRORS, 404),
+    },
+)
+async def close(session_id: str, body: SessionCloseBody, state: StateDep) -> Response:
+    """Close the session before taking its samples: from now on every turn asked for is refused (409
+    ``session_closed``, in each chat API's own shape); running turns get ``wait_timeout_s`` to end, then are aborted.
+    Answers once none runs (``drained``), or the wait and the abort are over. Idempotent."""
+    session, drain = await close_session(state, session_id, float(body.wait_timeout_s))
+    return json_response(session_summary(session) | drain.to_json())
+
+
+@router.post(
     "/sessions/{session_id}/append",
     operation_id="append",
     openapi_extra=doc.json_request(ToolAppend, required=True),
@@ -213,6 +237,7 @@ async def abort(session_id: str, state: StateDep) -> Response:
 )
 async def append(session_id: str, body: ToolAppendBody, state: StateDep) -> Response:
     async with state.store.exclusive(session_id) as trajectory:
+        trajectory.session.check_open()
         if body.sync is not None:
             trajectory.check_sync(body.sync.total_tokens, body.sync.last_tokens)
         state.store.check_growth(trajectory, len(body.token_ids))
