@@ -11,7 +11,7 @@ passthrough routes are plain Starlette routes (absent). So the routes describe t
 - every error status a route can answer, each with the one error schema (``ErrorBody``);
 - the real media types: safetensors (``application/vnd.safetensors``), server-sent events (``text/event-stream``),
   Prometheus text;
-- the SGLang passthrough routes (``PASSTHROUGH_PATHS``), their bodies and answers the upstream's;
+- the SGLang passthrough routes (``passthrough_paths``), their bodies and answers the upstream's;
 - the API key scheme when the gateway has keys (``/health``, and ``/metrics`` unless protected, need none).
 
 A route describes itself with them, e.g. (the chat routes' errors, in each API's own shape, also fit ``ErrorBody``:
@@ -332,18 +332,32 @@ SSE_EVENT = {
 }
 
 
-def install(app: FastAPI, settings: Settings) -> None:
-    """Serve the document described above as ``app``'s (built once, on the first ``GET /openapi.json``)."""
+def install(
+    app: FastAPI,
+    settings: Settings,
+    *,
+    structs: Sequence[type[msgspec.Struct]] = (),
+    paths: dict[str, Any] | None = None,
+) -> None:
+    """Serve the document described above as ``app``'s (built once, on the first ``GET /openapi.json``).
+    ``structs``: the msgspec request models the routes reference (their components are made together, see
+    ``_schemas_of``); ``paths``: operations FastAPI does not see (the passthrough's, ``passthrough_paths``)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = build_document(app, settings)
+            app.openapi_schema = build_document(app, settings, structs=structs, paths=paths or {})
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customize the document
 
 
-def build_document(app: FastAPI, settings: Settings) -> dict[str, Any]:
+def build_document(
+    app: FastAPI,
+    settings: Settings,
+    *,
+    structs: Sequence[type[msgspec.Struct]] = (),
+    paths: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     document = get_openapi(
         title=app.title,
         version=app.version,
@@ -351,7 +365,7 @@ def build_document(app: FastAPI, settings: Settings) -> dict[str, Any]:
         routes=app.routes,
         openapi_version=app.openapi_version,
     )
-    document["paths"].update(_passthrough_paths())
+    document["paths"].update(copy.deepcopy(paths or {}))
     schemas: dict[str, Any] = document.setdefault("components", {}).setdefault("schemas", {})
     for operation in _operations(document):
         _errors_in_our_schema(operation)
@@ -360,7 +374,7 @@ def build_document(app: FastAPI, settings: Settings) -> dict[str, Any]:
     pending = _references(document)
     while pending:  # a schema added may reference others
         name, target = pending.popitem()
-        for key, schema in _schemas_of(name, _resolve(target)).items():
+        for key, schema in _schemas_of(name, _resolve(target), structs).items():
             if key not in schemas:
                 schemas[key] = schema
                 pending |= _references(schema)
@@ -398,16 +412,14 @@ def _resolve(target: str) -> Any:
     return found
 
 
-def _schemas_of(name: str, target: Any) -> dict[str, Any]:
+def _schemas_of(name: str, target: Any, structs: Sequence[type[msgspec.Struct]]) -> dict[str, Any]:
     """The components a reference needs: a JSON schema dict as it is, a pydantic model's schema and those of the
     models it nests (pydantic's ``$defs``), or a msgspec struct's (the chat routes' requests: all of them at once,
     so that their structs of the same name, three APIs' ``MessageIn``, get names of their own)."""
     if isinstance(target, dict):
         return {name: copy.deepcopy(target)}
     if isinstance(target, type) and issubclass(target, msgspec.Struct):
-        from gateway.chat.api import documented_requests
-
-        models = documented_requests()
+        models = [*structs, *([] if target in structs else [target])]
         _, components = msgspec.json.schema_components(models, ref_template=_SCHEMAS_PREFIX + "{name}")
         return components
     schema = target.model_json_schema(ref_template=_SCHEMAS_PREFIX + "{model}")
@@ -423,11 +435,10 @@ def _errors_in_our_schema(operation: dict[str, Any]) -> None:
 
 
 # ---- the SGLang passthrough ----------------------------------------------------------------------------------------
-def _passthrough_paths() -> dict[str, Any]:
-    from gateway.routes.passthrough import GET_PATHS, POST_PATHS, SESSION_HEADER
-
+def passthrough_paths(post_paths: Sequence[str], get_paths: Sequence[str], session_header: str) -> dict[str, Any]:
+    """The SGLang passthrough's operations (``gateway.routes.passthrough``), for ``install``'s ``paths``."""
     routing_key = {
-        "name": SESSION_HEADER,
+        "name": session_header,
         "in": "header",
         "required": False,
         "description": "forwarded upstream as X-SMG-Routing-Key: a consistent_hashing router keeps a session on "
@@ -438,7 +449,7 @@ def _passthrough_paths() -> dict[str, Any]:
     upstream_answer = {"description": "the upstream's answer, status, body and content type as it sent them"}
     failures = {str(status): _error_response(status) for status in sorted({*COMMON_ERRORS, 413, 502, 503, 504})}
     paths: dict[str, Any] = {}
-    for path in POST_PATHS:
+    for path in post_paths:
         paths[path] = {
             "post": {
                 "tags": ["sglang passthrough"],
@@ -453,7 +464,7 @@ def _passthrough_paths() -> dict[str, Any]:
                 "responses": {"default": upstream_answer, **failures},
             }
         }
-    for path in GET_PATHS:
+    for path in get_paths:
         paths[path] = {
             "get": {
                 "tags": ["sglang passthrough"],

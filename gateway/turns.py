@@ -31,10 +31,12 @@ from gateway.codec import (
     stream_error_payload,
 )
 from gateway.errors import GatewayError, LimitExceeded, SessionConflict, UpstreamError, UpstreamProtocolError
+from gateway.metrics import GatewayMetrics
+from gateway.offload import CpuPool
 from gateway.sample import ModelTurnPlan
 from gateway.schemas import TurnCreate
-from gateway.state import GatewayState
-from gateway.store import Trajectory
+from gateway.store import RunningTurn, SessionStore, Trajectory
+from gateway.upstream import Upstream
 from slime_wire.http1 import Body, Response
 from slime_wire.sse import SSEDecoder, SSEError
 
@@ -146,24 +148,93 @@ class FoldedTurn:
     version_table: tuple[str, ...]  # the session's weight version table after the fold
 
 
-def fold(
-    state: GatewayState, trajectory: Trajectory, plan: TurnPlan, turn: DecodedTurn, *, partial: bool = False
-) -> FoldedTurn:
-    """All or nothing: the fold is planned (every check) and the caller's answer serialized before the session
-    changes, so a failure at any step leaves it byte-identical and servable."""
-    model_turn = trajectory.sample.plan_model_turn(turn, routing_start_len=plan.routing_start_len)
-    summary = turn_summary(trajectory, plan, model_turn)
-    try:
-        orjson.dumps(summary)
-    except (TypeError, orjson.JSONEncodeError) as exc:  # the codec bounds every field; this is the last line
-        raise UpstreamProtocolError(f"the upstream answer cannot be stored: {exc}") from None
-    with state.store.growing(trajectory, turn.num_tokens):  # refused past max_session_tokens; keeps the byte count
-        trajectory.sample.apply_model_turn(model_turn)
-    trajectory.branch.touch()
-    state.metrics.turns.labels("model", "partial" if partial else (turn.finish_type or "none")).inc()
-    state.metrics.folded_tokens.labels("true").inc(turn.num_tokens)
-    log.debug("session %s: +%d tokens (%s)", trajectory.session_id, turn.num_tokens, turn.finish_type)
-    return FoldedTurn(summary, model_turn, tuple(trajectory.sample.weight_version_table))
+class TurnRunner:
+    """Runs the model turns of every session: built once by the app lifespan with what a turn uses (the upstream,
+    the CPU pool, the store, the metrics) and handed to the token routes and the chat service."""
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        store: SessionStore,
+        cpu: CpuPool,
+        metrics: GatewayMetrics,
+        *,
+        incremental_routing: bool = True,
+    ) -> None:
+        self.upstream = upstream
+        self.store = store
+        self.cpu = cpu
+        self.metrics = metrics
+        self.incremental_routing = incremental_routing
+
+    def plan(self, trajectory: Trajectory, request: TurnCreate) -> TurnPlan:
+        return plan_turn(trajectory, request, incremental_routing=self.incremental_routing)
+
+    async def run(self, trajectory: Trajectory, request: TurnCreate) -> FoldedTurn:
+        """A unary turn; runs with the branch held (see ``SessionStore.exclusive``)."""
+        plan = self.plan(trajectory, request)
+        handle = UnaryTurn(self, trajectory, plan)
+        trajectory.running = handle
+        try:
+            answer = await handle.answer()
+            if answer is None:  # aborted before any answer: an empty aborted turn, so the session says so
+                turn = aborted_turn(plan.rid, handle.abort_reason or "aborted")
+                return self.fold(trajectory, plan, turn, partial=True)
+            try:
+                turn = await self.cpu.decode(
+                    "answer",
+                    len(answer),
+                    lambda: decode_generate_response(
+                        answer, want_routing=plan.want_routing, want_top_p=plan.want_top_p
+                    ),
+                )
+            finally:
+                self.upstream.recycle(answer)  # the decoded turn holds no view of the answer's bytes
+            check_answer_belongs(plan, turn)
+            return self.fold(trajectory, plan, turn)
+        finally:
+            handle.call.cancel()  # a no-op once it is done; else the caller went away and the connection must close
+            handle.finished()
+
+    async def open_stream(
+        self, trajectory: Trajectory, request: TurnCreate, *, on_end: TurnEndHook | None = None
+    ) -> StreamTurn:
+        """Plan and open the upstream stream; errors before the first byte are plain HTTP errors for the caller."""
+        plan = self.plan(trajectory, request)
+        response = await self.upstream.open_generate_stream(
+            upstream_payload(trajectory, plan, stream=True), routing_key=trajectory.session_id
+        )
+        return StreamTurn(self, trajectory, plan, response, on_end=on_end)
+
+    def fold(self, trajectory: Trajectory, plan: TurnPlan, turn: DecodedTurn, *, partial: bool = False) -> FoldedTurn:
+        """All or nothing: the fold is planned (every check) and the caller's answer serialized before the session
+        changes, so a failure at any step leaves it byte-identical and servable."""
+        model_turn = trajectory.sample.plan_model_turn(turn, routing_start_len=plan.routing_start_len)
+        summary = turn_summary(trajectory, plan, model_turn)
+        try:
+            orjson.dumps(summary)
+        except (TypeError, orjson.JSONEncodeError) as exc:  # the codec bounds every field; this is the last line
+            raise UpstreamProtocolError(f"the upstream answer cannot be stored: {exc}") from None
+        with self.store.growing(trajectory, turn.num_tokens):  # refused past max_session_tokens; keeps the byte count
+            trajectory.sample.apply_model_turn(model_turn)
+        trajectory.branch.touch()
+        self.metrics.turns.labels("model", "partial" if partial else (turn.finish_type or "none")).inc()
+        self.metrics.folded_tokens.labels("true").inc(turn.num_tokens)
+        log.debug("session %s: +%d tokens (%s)", trajectory.session_id, turn.num_tokens, turn.finish_type)
+        return FoldedTurn(summary, model_turn, tuple(trajectory.sample.weight_version_table))
+
+    def running_turns(self) -> list[RunningTurn]:
+        return self.store.running_turns()
+
+    async def abort_running_turns(self, reason: str, timeout_s: float = 4.0) -> None:
+        """End every turn running in this process, never resumed: each one folds what it has (aborted, coherent) and
+        its caller is told it was aborted. Shutdown, the gateway-wide abort (``/abort_request`` with ``abort_all``)
+        and, across replicas, whatever relays that abort call this; it returns once they have ended (or after
+        ``timeout_s``)."""
+        running = self.running_turns()
+        for turn in running:
+            turn.abort(reason)
+        await asyncio.gather(*(turn.wait(timeout_s) for turn in running))
 
 
 def check_answer_belongs(plan: TurnPlan, turn: DecodedTurn) -> None:
@@ -179,8 +250,8 @@ def check_answer_belongs(plan: TurnPlan, turn: DecodedTurn) -> None:
 class TurnHandle:
     """The running turn as the abort endpoint sees it (``store.RunningTurn``)."""
 
-    def __init__(self, state: GatewayState, plan: TurnPlan) -> None:
-        self.state = state
+    def __init__(self, runner: TurnRunner, plan: TurnPlan) -> None:
+        self.runner = runner
         self.plan = plan
         self.rid = plan.rid
         self.abort_reason: str | None = None
@@ -196,7 +267,7 @@ class TurnHandle:
     async def _abort_upstream(self) -> None:
         # SGLang answers an aborted rid with its partial tokens and replay data; through a router (no abort
         # route) closing the connection is what aborts it.
-        await self.state.upstream.abort_request(self.rid)
+        await self.runner.upstream.abort_request(self.rid)
 
     async def wait(self, timeout: float) -> bool:
         try:
@@ -212,17 +283,17 @@ class TurnHandle:
 class UnaryTurn(TurnHandle):
     """A unary turn: its upstream call runs in a task of its own, so that an abort can cut it."""
 
-    def __init__(self, state: GatewayState, trajectory: Trajectory, plan: TurnPlan) -> None:
-        super().__init__(state, plan)
+    def __init__(self, runner: TurnRunner, trajectory: Trajectory, plan: TurnPlan) -> None:
+        super().__init__(runner, plan)
         body = upstream_payload(trajectory, plan)
         self.call = asyncio.create_task(
-            state.upstream.post_generate(body, routing_key=trajectory.session_id), name=f"generate-{plan.rid}"
+            runner.upstream.post_generate(body, routing_key=trajectory.session_id), name=f"generate-{plan.rid}"
         )
 
     async def _abort_upstream(self) -> None:
         # A worker ends an aborted rid itself, answering with its partial tokens and replay data. A router has no
         # abort route: there (or if the worker does not end it in time) closing the connection is what aborts it.
-        if await self.state.upstream.abort_request(self.rid) and await self.wait(ABORT_GRACE_S):
+        if await self.runner.upstream.abort_request(self.rid) and await self.wait(ABORT_GRACE_S):
             return
         self.call.cancel()
 
@@ -235,30 +306,6 @@ class UnaryTurn(TurnHandle):
             if self.abort_reason is None or (current is not None and current.cancelling()):
                 raise  # not our abort: the caller's request itself is being cancelled
             return None
-
-
-async def run_turn(state: GatewayState, trajectory: Trajectory, request: TurnCreate) -> FoldedTurn:
-    """A unary turn; runs with the session held exclusively (see ``SessionStore.exclusive``)."""
-    plan = plan_turn(trajectory, request, incremental_routing=state.settings.incremental_routing)
-    handle = UnaryTurn(state, trajectory, plan)
-    trajectory.running = handle
-    try:
-        answer = await handle.answer()
-        if answer is None:  # aborted before any answer: an empty aborted turn, so the session says so
-            return fold(state, trajectory, plan, aborted_turn(plan.rid, handle.abort_reason or "aborted"), partial=True)
-        try:
-            turn = await state.decode(
-                "answer",
-                len(answer),
-                lambda: decode_generate_response(answer, want_routing=plan.want_routing, want_top_p=plan.want_top_p),
-            )
-        finally:
-            state.upstream.recycle(answer)  # the decoded turn holds no view of the answer's bytes
-        check_answer_belongs(plan, turn)
-        return fold(state, trajectory, plan, turn)
-    finally:
-        handle.call.cancel()  # a no-op once it is done; else the caller went away and the connection must close
-        handle.finished()
 
 
 def aborted_turn(rid: str, reason: str, **received: Any) -> DecodedTurn:
@@ -275,30 +322,19 @@ def aborted_turn(rid: str, reason: str, **received: Any) -> DecodedTurn:
 TurnEndHook = Callable[["FoldedTurn | None"], None]
 
 
-async def open_stream_turn(
-    state: GatewayState, trajectory: Trajectory, request: TurnCreate, *, on_end: TurnEndHook | None = None
-) -> StreamTurn:
-    """Plan and open the upstream stream; errors before the first byte are plain HTTP errors for the caller."""
-    plan = plan_turn(trajectory, request, incremental_routing=state.settings.incremental_routing)
-    response = await state.upstream.open_generate_stream(
-        upstream_payload(trajectory, plan, stream=True), routing_key=trajectory.session_id
-    )
-    return StreamTurn(state, trajectory, plan, response, on_end=on_end)
-
-
 class StreamTurn(TurnHandle):
     """A streamed turn: a producer task folds the upstream stream; the caller reads events from a queue."""
 
     def __init__(
         self,
-        state: GatewayState,
+        runner: TurnRunner,
         trajectory: Trajectory,
         plan: TurnPlan,
         response: Response,
         *,
         on_end: TurnEndHook | None = None,
     ) -> None:
-        super().__init__(state, plan)
+        super().__init__(runner, plan)
         self.trajectory = trajectory
         self._on_end = on_end
         self.response = response
@@ -307,7 +343,7 @@ class StreamTurn(TurnHandle):
         self.log_probs = GrowableArray(np.float32)
         self.text_parts: list[str] = []
         self._owner_checked = False  # whether the first non-final chunk's rid was checked (``_check_owner``)
-        self._pieces = state.upstream.relay(response)  # the upstream body; closing it closes the response
+        self._pieces = runner.upstream.relay(response)  # the upstream body; closing it closes the response
         self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         trajectory.running = self
         self.task = asyncio.create_task(self._produce(), name=f"stream-{self.rid}")
@@ -363,10 +399,10 @@ class StreamTurn(TurnHandle):
                 raise  # not our own hard stop: shutdown
         except (UpstreamProtocolError, LimitExceeded) as exc:
             # An invalid or over-limit answer changes nothing, exactly as in a unary turn.
-            self.state.metrics.record_error(exc)
+            self.runner.metrics.record_error(exc)
             final = {"type": "error", "error": exc.to_body()["error"], "turn": None}
         except GatewayError as error:
-            self.state.metrics.record_error(error)
+            self.runner.metrics.record_error(error)
             folded = self._fold_partial(error.message) if len(self.token_ids) else None
             turn = None if folded is None else folded.summary
             final = {"type": "error", "error": error.to_body()["error"], "turn": turn}
@@ -377,9 +413,9 @@ class StreamTurn(TurnHandle):
         finally:
             self._ended(folded)
             try:
-                await self.state.store.release(self.trajectory)
+                await self.runner.store.release(self.trajectory)
             except GatewayError as error:  # the store could not keep the turn (a shared backend down)
-                self.state.metrics.record_error(error)
+                self.runner.metrics.record_error(error)
                 final = {"type": "error", "error": error.to_body()["error"], "turn": None}
             self.finished()
             if final is not None:
@@ -410,7 +446,7 @@ class StreamTurn(TurnHandle):
                     pass
 
     async def _consume(self) -> FoldedTurn:
-        upstream = self.state.upstream
+        upstream = self.runner.upstream
         # The final event (tens of MB of routing) is joined into a pooled buffer, given back once decoded.
         events = SSEDecoder(big_buffer=upstream.buffers.take)
         async for piece in self._pieces:
@@ -431,12 +467,12 @@ class StreamTurn(TurnHandle):
 
     async def _on_chunk(self, payload: bytes) -> FoldedTurn | None:
         if self.decoder.is_final(payload):
-            turn = await self.state.decode("stream_final", len(payload), lambda: self._decode_final(payload))
+            turn = await self.runner.cpu.decode("stream_final", len(payload), lambda: self._decode_final(payload))
             check_answer_belongs(self.plan, turn)
             self._take(self.decoder.final_delta(turn))
-            return fold(self.state, self.trajectory, self.plan, turn)
+            return self.runner.fold(self.trajectory, self.plan, turn)
         work = self.decoder.work_bytes(payload)
-        delta, answer = await self.state.decode("stream_chunk", work, lambda: self.decoder.feed(payload))
+        delta, answer = await self.runner.cpu.decode("stream_chunk", work, lambda: self.decoder.feed(payload))
         if answer is not None and (error := stream_error_payload(answer)) is not None:
             raise UpstreamError(
                 f"upstream reported an error in the stream: {error.get('message', error)}",
@@ -451,7 +487,7 @@ class StreamTurn(TurnHandle):
         # a final chunk the fast check could not see (its keys laid out differently): decode the parsed form
         turn = decode_answer(answer, want_routing=self.plan.want_routing, want_top_p=self.plan.want_top_p)  # type: ignore[arg-type]
         check_answer_belongs(self.plan, turn)
-        return fold(self.state, self.trajectory, self.plan, turn)
+        return self.runner.fold(self.trajectory, self.plan, turn)
 
     def _check_owner(self, payload: AnswerBytes, answer: dict[str, Any] | None) -> None:
         """The first chunk says whose stream this is. Without this check a foreign stream (a late answer on a reused
@@ -473,7 +509,7 @@ class StreamTurn(TurnHandle):
         if not len(delta.token_ids) and not delta.text:
             return
         # Past max_session_tokens the stream is cut here (LimitExceeded): no fold, partial or not, could take it.
-        self.state.store.check_room(self.trajectory, len(self.token_ids) + len(delta.token_ids))
+        self.runner.store.check_room(self.trajectory, len(self.token_ids) + len(delta.token_ids))
         self.token_ids.append(delta.token_ids)
         self.log_probs.append(delta.log_probs)
         self.text_parts.append(delta.text)
@@ -507,4 +543,4 @@ class StreamTurn(TurnHandle):
             top_p_offsets=no_spans[1],
             weight_version_spans=self.decoder.partial_version_spans(n),
         )
-        return fold(self.state, self.trajectory, self.plan, turn, partial=True)
+        return self.runner.fold(self.trajectory, self.plan, turn, partial=True)

@@ -41,9 +41,8 @@ from gateway.errors import (
     SessionBusy,
 )
 from gateway.schemas import TurnCreate
-from gateway.state import GatewayState
 from gateway.store import Session, Trajectory
-from gateway.turns import FoldedTurn, StreamTurn, open_stream_turn, run_turn
+from gateway.turns import FoldedTurn, StreamTurn, TurnRunner
 
 log = logging.getLogger("gateway.chat")
 
@@ -90,9 +89,11 @@ class ChatSettings:
 
 
 class ChatService:
-    """The chat side of one gateway: the tokenizer and template, the output parsers, the conversation policies."""
+    """The chat side of one gateway: the tokenizer and template, the output parsers, the conversation policies; its
+    model turns run through the gateway's turn runner (``runner``: its store, CPU pool and metrics are the chat
+    side's too)."""
 
-    def __init__(self, template: ChatTemplate, settings: ChatSettings | None = None) -> None:
+    def __init__(self, template: ChatTemplate, runner: TurnRunner, settings: ChatSettings | None = None) -> None:
         settings = settings or ChatSettings()
         if settings.tool_parser not in PARSERS:
             raise ValueError(f"unknown tool parser {settings.tool_parser!r}; known: {', '.join(sorted(PARSERS))}")
@@ -100,6 +101,9 @@ class ChatService:
             known = ", ".join(sorted(REASONING_FORMATS))
             raise ValueError(f"unknown reasoning parser {settings.reasoning_parser!r}; known: {known}")
         self.template = template
+        self.runner = runner
+        self.store = runner.store
+        self.metrics = runner.metrics
         self.settings = settings
         self.reasoning: ReasoningFormat | None = REASONING_FORMATS[settings.reasoning_parser]
         self.hosted = HostedTools()
@@ -109,59 +113,59 @@ class ChatService:
         return self.settings.context_tokens
 
     # ---- one turn ---------------------------------------------------------------------------------------------
-    async def run(self, state: GatewayState, session_id: str, request: ChatRequest) -> ChatResult:
-        trajectory, request, plan, undo = await self._start(state, session_id, request)
+    async def run(self, session_id: str, request: ChatRequest) -> ChatResult:
+        trajectory, request, plan, undo = await self._start(session_id, request)
         try:
             try:
-                folded = await run_turn(state, trajectory, _turn_request(request))
+                folded = await self.runner.run(trajectory, _turn_request(request))
             except BaseException:
                 undo()
                 raise
-            return self._finish(state, trajectory, request, plan, folded)
+            return self._finish(trajectory, request, plan, folded)
         finally:
-            await state.store.release(trajectory)
+            await self.store.release(trajectory)
 
-    async def open_stream(self, state: GatewayState, session_id: str, request: ChatRequest) -> ChatStream:
+    async def open_stream(self, session_id: str, request: ChatRequest) -> ChatStream:
         """Start a streamed turn; errors before the upstream answers are plain errors (the session unchanged)."""
-        trajectory, request, plan, undo = await self._start(state, session_id, request)
+        trajectory, request, plan, undo = await self._start(session_id, request)
         try:
-            stream = ChatStream(self, state, trajectory, request, plan, undo)
+            stream = ChatStream(self, trajectory, request, plan, undo)
             try:
-                stream.turn = await open_stream_turn(state, trajectory, _turn_request(request), on_end=stream.ended)
+                stream.turn = await self.runner.open_stream(trajectory, _turn_request(request), on_end=stream.ended)
             except BaseException:
                 undo()
                 raise
         except BaseException:
-            await state.store.release(trajectory)
+            await self.store.release(trajectory)
             raise
         return stream  # from here the turn's own task releases the branch, whatever the caller does
 
     async def _start(
-        self, state: GatewayState, session_id: str, request: ChatRequest
+        self, session_id: str, request: ChatRequest
     ) -> tuple[Trajectory, ChatRequest, ChatPlan, Callable[[], None]]:
         """Everything before the model turn: the request resolved and planned against the session's tree, the branch
         it continues (or starts) held, its new tokens added; with the undo of those, for when the turn fails."""
-        session = await state.store.get(session_id)
+        session = await self.store.get(session_id)
         request = self.resolve(session, request)
-        plan = await self._plan(state, session, request)
+        plan = await self._plan(session, request)
         request = self._with_length(request, plan.tokens_after())
-        trajectory = await self._hold(state, session, plan, request)
+        trajectory = await self._hold(session, plan, request)
         try:
-            undo = self._begin(state, trajectory, plan)
+            undo = self._begin(trajectory, plan)
         except BaseException:
             if plan.branch is None:
-                state.store.drop_branch(trajectory)
-            await state.store.release(trajectory)
+                self.store.drop_branch(trajectory)
+            await self.store.release(trajectory)
             raise
         return trajectory, request, plan, undo
 
-    async def _hold(self, state: GatewayState, session: Session, plan: ChatPlan, request: ChatRequest) -> Trajectory:
+    async def _hold(self, session: Session, plan: ChatPlan, request: ChatRequest) -> Trajectory:
         """Hold the branch the plan continues, or start the one it forks; another turn on that branch is a 409."""
         if plan.branch is None:
-            return await state.store.start_branch(session, plan.new_branch(session, request.model))
-        trajectory = await state.store.hold(session, plan.branch)
+            return await self.store.start_branch(session, plan.new_branch(session, request.model))
+        trajectory = await self.store.hold(session, plan.branch)
         if plan.branch.record is not plan.record or len(plan.branch.sample.tokens) != plan.fork_at:
-            await state.store.release(trajectory)  # another turn changed it while this one was planned
+            await self.store.release(trajectory)  # another turn changed it while this one was planned
             raise SessionBusy(
                 f"branch {trajectory.index} of session {session.session_id!r} changed while this request was "
                 "planned; send it again",
@@ -170,11 +174,11 @@ class ChatService:
             )
         return trajectory
 
-    async def count_tokens(self, state: GatewayState, session_id: str, request: ChatRequest) -> int:
+    async def count_tokens(self, session_id: str, request: ChatRequest) -> int:
         """The prompt a turn with this request would give the model, in tokens (nothing changes)."""
-        session = await state.store.get(session_id)
+        session = await self.store.get(session_id)
         request = self.resolve(session, request)
-        plan = await self._plan(state, session, request, check_context=False)
+        plan = await self._plan(session, request, check_context=False)
         return plan.tokens_after()
 
     # ---- the request, made ready for the conversation logic -------------------------------------------------
@@ -222,16 +226,16 @@ class ChatService:
         reasoning, content = self.reasoning.split(message.content, inside=False)
         return msgspec.structs.replace(message, reasoning=reasoning, content=content)
 
-    async def _plan(
-        self, state: GatewayState, session: Session, request: ChatRequest, *, check_context: bool = True
-    ) -> ChatPlan:
+    async def _plan(self, session: Session, request: ChatRequest, *, check_context: bool = True) -> ChatPlan:
         settings = self.settings
         match = match_request(session, request, settings.drift_policy)  # comparisons only: on the loop
         # The template and the tokenizer: off the loop when what they render is long.
         size = render_size(self.template, match, request, settings.rewrite_policy)
         if check_context:  # a text that cannot fit is refused before seconds of encoding
             self._check_context(match.tokens_before + self.template.fewest_tokens(size), None, at_least=True)
-        plan = await state.run_cpu(size, lambda: plan_match(self.template, match, request, settings.rewrite_policy))
+        plan = await self.runner.cpu.run(
+            size, lambda: plan_match(self.template, match, request, settings.rewrite_policy)
+        )
         if check_context:
             self._check_context(plan.tokens_after(), request.max_tokens)
         return plan
@@ -270,9 +274,9 @@ class ChatService:
                 max_tokens=max_tokens,
             )
 
-    def _begin(self, state: GatewayState, trajectory: Trajectory, plan: ChatPlan) -> Callable[[], None]:
+    def _begin(self, trajectory: Trajectory, plan: ChatPlan) -> Callable[[], None]:
         if plan.cause is not None:
-            state.metrics.chat_drift.labels(plan.cause).inc()
+            self.metrics.chat_drift.labels(plan.cause).inc()
             parent = plan.parent
             log.info(
                 "session %s: %s (first differing message %s): branch %d, %s",
@@ -284,35 +288,31 @@ class ChatService:
                 if parent is None
                 else f"from token {plan.fork_at} of branch {trajectory.session.index(parent)}",
             )
-        undo = apply_plan(state.store, trajectory, plan)
+        undo = apply_plan(self.store, trajectory, plan)
         try:
-            state.store.check_growth(trajectory)  # room for the answer: the limits, with the new tokens counted
+            self.store.check_growth(trajectory)  # room for the answer: the limits, with the new tokens counted
         except BaseException:
             undo()
             raise
         return undo
 
-    def _finish(
-        self, state: GatewayState, trajectory: Trajectory, request: ChatRequest, plan: ChatPlan, folded: FoldedTurn
-    ) -> ChatResult:
+    def _finish(self, trajectory: Trajectory, request: ChatRequest, plan: ChatPlan, folded: FoldedTurn) -> ChatResult:
         """Parse the reply and record it; cannot fail on the answer's content (malformed calls stay content)."""
-        parsed, reasoning = self.parse(request, plan, folded.plan.turn.text, state)
+        parsed, reasoning = self.parse(request, plan, folded.plan.turn.text)
         reply = self.reply(folded, parsed, reasoning)
         stored = folded.summary["rid"] if request.api == "responses" and request.store else None
         record_reply(trajectory, request, plan, reply.message, stored)
         if trajectory.branch.model is None:
             trajectory.branch.model = request.model
         mode = "stream" if request.stream else "unary"
-        state.metrics.chat_turns.labels(request.api, mode, reply.finish).inc()
+        self.metrics.chat_turns.labels(request.api, mode, reply.finish).inc()
         return ChatResult(trajectory.session_id, trajectory.index, reply, folded, plan.delta.render_s, request)
 
     # ---- parts ------------------------------------------------------------------------------------------------
     def starts_inside_reasoning(self, plan: ChatPlan) -> bool:
         return self.reasoning is not None and self.reasoning.starts_inside(plan.delta.text[-256:])
 
-    def parse(
-        self, request: ChatRequest, plan: ChatPlan, text: str, state: GatewayState | None = None
-    ) -> tuple[ParsedCompletion, str | None]:
+    def parse(self, request: ChatRequest, plan: ChatPlan, text: str) -> tuple[ParsedCompletion, str | None]:
         """The completion as content, tool calls and reasoning."""
         reasoning = None
         if self.reasoning is not None:
@@ -320,8 +320,8 @@ class ChatService:
         if not request.parse_tool_calls:
             return ParsedCompletion(text, ()), reasoning
         parsed = PARSERS[self.settings.tool_parser](text, request.tools)
-        if parsed.failed and state is not None:
-            state.metrics.chat_tool_parse_failures.labels(self.settings.tool_parser).inc()
+        if parsed.failed:
+            self.metrics.chat_tool_parse_failures.labels(self.settings.tool_parser).inc()
         return parsed, reasoning
 
     def splitter(self, request: ChatRequest, plan: ChatPlan) -> ReplySplitter:
@@ -427,7 +427,6 @@ class StreamEvent:
 @dataclass
 class ChatStream:
     service: ChatService
-    state: GatewayState
     trajectory: Trajectory
     request: ChatRequest
     plan: ChatPlan
@@ -441,7 +440,7 @@ class ChatStream:
         if folded is None:
             self.undo()
             return
-        self.result = self.service._finish(self.state, self.trajectory, self.request, self.plan, folded)
+        self.result = self.service._finish(self.trajectory, self.request, self.plan, folded)
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         assert self.turn is not None

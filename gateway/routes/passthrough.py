@@ -9,12 +9,14 @@ serves them when the middleware is not installed and answers 405 to other method
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway import openapi as doc
 from gateway.errors import GatewayError
 from gateway.state import GatewayState
 from gateway.upstream import FORWARDED_REQUEST_HEADERS, ROUTING_KEY_HEADER
@@ -101,6 +103,12 @@ ROUTES: dict[str, Forward] = {
 }
 for _route in ROUTES.values():
     router.add_route(_route.path, _route, methods=sorted(_route.methods - {"HEAD"}))
+
+
+def document_paths() -> dict[str, Any]:
+    """These routes in the OpenAPI document (``gateway.openapi.install``'s ``paths``)."""
+    return doc.passthrough_paths(POST_PATHS, GET_PATHS, SESSION_HEADER)
+
 
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 

@@ -27,7 +27,7 @@ from gateway.schemas import (
     TurnCreateBody,
 )
 from gateway.state import GatewayState, StateDep
-from gateway.turns import ABORT_GRACE_S, FoldedTurn, open_stream_turn, run_turn
+from gateway.turns import ABORT_GRACE_S, FoldedTurn
 from gateway.views import full_view, group_payload, sample_payload, session_summary, session_view, turn_payload
 
 router = APIRouter(prefix="/v1", tags=["sessions"])
@@ -140,7 +140,7 @@ async def generate(session_id: str, body: TurnCreateBody, state: StateDep, reque
 async def _unary_turn(state: GatewayState, session_id: str, body: TurnCreate) -> FoldedTurn:
     async with state.store.exclusive(session_id) as trajectory:
         state.store.check_growth(trajectory)  # the answer itself is checked again before it is folded
-        folded = await run_turn(state, trajectory, body)
+        folded = await state.runner.run(trajectory, body)
     status = folded.plan.status_after
     if body.delete_after_turn == "always" or (body.delete_after_turn == "if_finished" and status in FINISHED):
         await state.store.delete(session_id)
@@ -162,7 +162,7 @@ async def _stream_turn(session_id: str, body: TurnCreate, state: StateDep) -> Re
     trajectory = await state.store.acquire(session_id)
     try:
         state.store.check_growth(trajectory)
-        turn = await open_stream_turn(state, trajectory, body)
+        turn = await state.runner.open_stream(trajectory, body)
     except BaseException:
         await state.store.release(trajectory)  # nothing was sent to the caller yet: a plain HTTP error
         raise
