@@ -117,7 +117,15 @@ def make_runner(
     settings: Settings, upstream: Upstream, store: SessionStore, cpu: CpuPool, metrics: GatewayMetrics
 ) -> TurnRunner:
     """The one turn runner: the token routes and the chat service run their model turns through it."""
-    return TurnRunner(upstream, store, cpu, metrics, incremental_routing=settings.incremental_routing)
+    return TurnRunner(
+        upstream,
+        store,
+        cpu,
+        metrics,
+        incremental_routing=settings.incremental_routing,
+        resume_max=settings.resume_max,
+        deadline_s=settings.request_timeout_s,
+    )
 
 
 def make_store(settings: Settings, max_stored_bytes: int | None, instance_id: str) -> SessionStore:

@@ -381,8 +381,9 @@ class RedisSessionStore(SessionStore):
         session_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        resume: bool = False,
     ) -> Session:
-        session = self._new_session(sample, session_id, metadata, sampling_defaults)
+        session = self._new_session(sample, session_id, metadata, sampling_defaults, resume)
         sid = session.session_id
         with self._errors("create"):
             self._check_session_count(await self.redis.zcard(self._keys.index))
@@ -911,7 +912,7 @@ def _raw(array: np.ndarray) -> memoryview:
 
 
 # ---- the session's hash: its small fields --------------------------------------------------------------------------
-SESSION_FIELDS = ("samples", "metadata", "sampling_defaults", "created_at", "updated_at", "summary")
+SESSION_FIELDS = ("samples", "metadata", "sampling_defaults", "resume", "created_at", "updated_at", "summary")
 # One hash field per branch, "branch:{sample id}": its place in the tree and its chat record (written when it changed:
 # a turn rewrites only its own branch's).
 BRANCH_FIELD = "branch:"
@@ -927,6 +928,7 @@ def _session_fields(
         "samples": orjson.dumps(_layout(pending)),
         "metadata": orjson.dumps(session.metadata),
         "sampling_defaults": orjson.dumps(session.sampling_defaults),
+        "resume": orjson.dumps(session.resume),
         "created_at": repr(session.created_at).encode(),
         "updated_at": repr(session.updated_at).encode(),
         "summary": orjson.dumps(session.listing() | {"busy": False}),
@@ -968,6 +970,7 @@ def _session_from_fields(
         branches=[by_id[sample_id] for sample_id, _ in samples],
         metadata=orjson.loads(fields["metadata"]),
         sampling_defaults=orjson.loads(fields["sampling_defaults"]),
+        resume=orjson.loads(fields.get("resume", b"false")) is True,  # (sessions written before it have none)
         created_at=float(fields["created_at"]),
         updated_at=float(fields["updated_at"]),
     )

@@ -96,6 +96,7 @@ class Session:
     branches: list[Branch]  # [0]: the root, the token API's trajectory; the others in the order they were started
     metadata: dict[str, Any] = field(default_factory=dict)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    resume: bool = False  # the default of its token-level turns' ``resume`` (gateway.resume)
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     counted_bytes: int = 0  # stored_bytes when the store last counted it (see SessionStore.growing)
@@ -312,11 +313,12 @@ class SessionStore:
         session_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        resume: bool = False,
     ) -> Session:
         if session_id is not None and session_id in self._sessions:
             raise SessionExists(f"session {session_id!r} already exists", session_id=session_id)
         self._check_session_count(len(self._sessions))
-        session = self._new_session(sample, session_id, metadata, sampling_defaults)
+        session = self._new_session(sample, session_id, metadata, sampling_defaults, resume)
         self._register(session)
         return session
 
@@ -326,12 +328,17 @@ class SessionStore:
         session_id: str | None,
         metadata: dict[str, Any] | None,
         sampling_defaults: dict[str, Any] | None,
+        resume: bool = False,
     ) -> Session:
         """A new session, checked against the limits of this process; not stored yet."""
         self._check_tokens(len(sample.tokens), "the prompt has")
         self._check_store_room(sample.stored_bytes)
         return Session.of(
-            session_id or uuid.uuid4().hex, sample, metadata=metadata or {}, sampling_defaults=sampling_defaults or {}
+            session_id or uuid.uuid4().hex,
+            sample,
+            metadata=metadata or {},
+            sampling_defaults=sampling_defaults or {},
+            resume=resume,
         )
 
     def _check_session_count(self, held: int) -> None:

@@ -71,6 +71,7 @@ class ChatResult:
             "total_tokens": summary["total_tokens"],
             "routed_experts_rows": summary["routed_experts_rows"],
             "finish_reason": self.folded.plan.turn.finish_reason,
+            "resumed": self.folded.resumed,  # times the engine aborted it mid-answer and it went on (gateway.resume)
             "render_ms": round(self.render_s * 1e3, 3),
         }
 
@@ -114,6 +115,9 @@ class ChatService:
 
     # ---- one turn ---------------------------------------------------------------------------------------------
     async def run(self, session_id: str, request: ChatRequest) -> ChatResult:
+        """One unary turn. A turn that ended before the model ended it (the trainer aborted it, or the engine did and
+        it could not be resumed) is kept in the session, recorded, and raised (``FoldedTurn.error``): its client must
+        not take the cut reply for an answer."""
         trajectory, request, plan, undo = await self._start(session_id, request)
         try:
             try:
@@ -121,9 +125,12 @@ class ChatService:
             except BaseException:
                 undo()
                 raise
-            return self._finish(trajectory, request, plan, folded)
+            result = self._finish(trajectory, request, plan, folded)
         finally:
             await self.store.release(trajectory)
+        if folded.error is not None:
+            raise folded.error
+        return result
 
     async def open_stream(self, session_id: str, request: ChatRequest) -> ChatStream:
         """Start a streamed turn; errors before the upstream answers are plain errors (the session unchanged)."""
@@ -342,7 +349,8 @@ class ChatService:
             finish=finish,  # type: ignore[arg-type]
             completion_tokens=turn.num_tokens,
             prompt_tokens=int(summary["prompt_length"]),
-            cached_tokens=turn.cached_tokens,
+            # a resumed turn's counters sum its requests' (gateway.resume): the client's usage is of its prompt
+            cached_tokens=min(turn.cached_tokens, int(summary["prompt_length"])),
             rid=str(summary["rid"]),
         )
 
@@ -373,8 +381,9 @@ def merge_late_system_messages(messages: tuple[ChatMessage, ...]) -> tuple[ChatM
 
 
 def _turn_request(request: ChatRequest) -> TurnCreate:
+    """The chat turn as a token-level turn; resumed when the engine aborts it (a harness cannot resume it itself)."""
     params = {**request.sampling_params, "max_new_tokens": request.max_tokens}
-    return TurnCreate.model_validate({"sampling_params": params, "stream": request.stream})
+    return TurnCreate.model_validate({"sampling_params": params, "stream": request.stream, "resume": True})
 
 
 class ReplySplitter:
@@ -422,6 +431,7 @@ class StreamEvent:
     reply: AssistantReply | None = None  # the end of a turn that was folded (whole, or partial)
     error: dict[str, Any] | None = None  # the end of a failed turn: the gateway's error body
     result: ChatResult | None = None
+    error_status: int = 500  # the error's HTTP status, for the APIs whose error types follow it
 
 
 @dataclass
@@ -473,6 +483,9 @@ class ChatStream:
         if result is None:  # nothing folded: the session is as before the request
             fallback = GatewayError("the turn ended without an answer").to_body()["error"]
             return StreamEvent(end=True, error=error or fallback)
+        ended = result.folded.error
+        if ended is not None:  # kept in the session, but not the model's answer: an error, never a finish
+            return StreamEvent(end=True, error=ended.to_body()["error"], result=result, error_status=ended.status_code)
         assert self._splitter is not None
         reasoning, rest = self._splitter.finish(result.reply.message)
         return StreamEvent(

@@ -59,6 +59,7 @@ async def create_session(body: SessionCreateBody, state: StateDep, request: Requ
         session_id=body.session_id,
         metadata=body.metadata,
         sampling_defaults=body.sampling_defaults,
+        resume=body.resume,
     )
     if body.generate is None:
         return json_response(session_summary(session), status_code=201)
