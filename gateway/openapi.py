@@ -73,7 +73,8 @@ ERROR_STATUSES: dict[int, str] = {
     501: "chat_not_configured: the gateway was started without a tokenizer",
     502: "upstream_error, upstream_protocol_error, replay_data_dropped, upstream_connection_lost: the upstream's "
     "answer could not be used (nothing was changed)",
-    503: "upstream_unavailable, store_unavailable, too_many_connections: safe to retry (nothing was changed)",
+    503: "upstream_unavailable, store_unavailable, too_many_connections: safe to retry (nothing was changed); chat "
+    "routes: turn_interrupted, turn_aborted (the engine or the trainer ended the turn: the session keeps it)",
     504: "upstream_timeout (GATEWAY_REQUEST_TIMEOUT_S)",
     507: "store_full (GATEWAY_MAX_STORED_BYTES)",
 }
@@ -129,6 +130,16 @@ class SessionList(BaseModel):
     sessions: list[SessionSummary]
 
 
+class TrainedVersions(BaseModel):
+    """The weight versions a branch's trained tokens (loss mask 1) come from, in the order the branch met them."""
+
+    first: str | None = Field(description="the oldest (null: no trained token of a known version)")
+    last: str | None = Field(description="the newest")
+    count: int = Field(description="how many distinct versions")
+    tokens: dict[str, int] = Field(description="trained tokens per version")
+    unknown_tokens: int = Field(description="trained tokens of no known version (the upstream sent none)")
+
+
 class BranchSummary(BaseModel):
     """One branch of the session's tree: where it stands, its sample's lengths."""
 
@@ -149,6 +160,7 @@ class BranchSummary(BaseModel):
     total_tokens: int
     busy: bool
     last_error: str | None
+    trained_versions: TrainedVersions
 
 
 class SessionView(SessionSummary):
@@ -163,6 +175,7 @@ class SessionView(SessionSummary):
     replay: dict[str, Any]
     arrays: dict[str, Any]
     weight_versions: list[str | None]
+    trained_versions: TrainedVersions
     response: str
     last_tokens: list[int]
     turn_log: list[dict[str, Any]]
@@ -185,6 +198,12 @@ class TurnSummary(BaseModel):
     response_length: int
     total_tokens: int
     routed_experts_rows: int
+    resumed: int = Field(0, description="times the engine aborted it mid-answer and it was resubmitted")
+    interrupted: ErrorDetail | None = Field(
+        None,
+        description="why it ended before the model ended it: turn_aborted (the caller, the trainer), "
+        "turn_interrupted (an engine abort not resumed: its reason)",
+    )
 
 
 class AbortAnswer(SessionSummary):

@@ -399,6 +399,23 @@ class SessionSample:
             self.weight_versions.append(turn.weight_version)
 
     # ---- export ----------------------------------------------------------------------------------------------
+    def trained_versions(self) -> dict[str, Any]:
+        """The weight versions this trajectory's trained tokens (loss mask 1) come from: the first and the last in the
+        order the trajectory met them (the order of the updates), how many, the trained tokens of each, and those of
+        no known version. What a staleness bound looks at (docs/operations/weight-updates.md). O(response)."""
+        trained = self.weight_version_ids.view()[self.loss_mask.view().astype(bool)]
+        known = trained[trained >= 0]
+        counts = np.bincount(known, minlength=len(self.weight_version_table)) if len(known) else np.zeros(0, np.int64)
+        present = np.flatnonzero(counts).tolist()
+        table = self.weight_version_table
+        return {
+            "first": table[present[0]] if present else None,
+            "last": table[present[-1]] if present else None,
+            "count": len(present),
+            "tokens": {table[i]: int(counts[i]) for i in present},
+            "unknown_tokens": int(len(trained) - len(known)),
+        }
+
     def arrays(self) -> dict[str, np.ndarray]:
         """The sample as named arrays (slime field names), views into the state: no copies."""
         out = {
