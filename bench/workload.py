@@ -202,6 +202,16 @@ class ClusterShape:
 
 
 @dataclass(frozen=True, slots=True)
+class ResumeTurnShape:
+    """Row 19: one big MoE turn that the engine aborts half-way and the gateway resumes, against the same turn
+    uninterrupted; unary and streamed."""
+
+    prompt_tokens: int = 2_048
+    response_tokens: int = 8_192
+    rounds: int = 6
+
+
+@dataclass(frozen=True, slots=True)
 class Suite:
     """Every size the rows use. ``FULL`` is the realistic shape; ``QUICK`` keeps the smoke test fast."""
 
@@ -223,6 +233,7 @@ class Suite:
     replicas: ReplicaShape
     agent_loop: AgentLoopShape = AgentLoopShape()
     cluster: ClusterShape = ClusterShape()
+    resume_turn: ResumeTurnShape = ResumeTurnShape()
 
     @property
     def moe(self) -> MoE:
@@ -269,6 +280,7 @@ QUICK = Suite(
     replicas=ReplicaShape(sessions=4, loops=1, prompt_tokens=128, turn_tokens=128, tool_tokens=16, rounds=1),
     agent_loop=AgentLoopShape(turns=24, tool_result_bytes=512, window=4),
     cluster=ClusterShape(agents=4, sessions=1, turns=2, rounds=1),
+    resume_turn=ResumeTurnShape(prompt_tokens=256, response_tokens=1_024, rounds=2),
 )
 
 

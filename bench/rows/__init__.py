@@ -19,6 +19,7 @@ from bench.rows import (
     passthrough,
     redis_turn,
     replicas,
+    resume_turn,
     routing_traffic,
     stream_turn,
     streaming,
@@ -58,4 +59,5 @@ ROWS: tuple[Row, ...] = (
     _row(16, ui_render),
     _row(17, cluster_replicas),
     _row(18, agent_loop),
+    _row(19, resume_turn),
 )
