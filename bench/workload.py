@@ -1,6 +1,6 @@
 """The shapes every row runs on (full and ``--quick``) and the SGLang answers they are measured on.
 
-Answers come from the gateway's SGLang simulator (``gateway.simulator``), byte for byte what its ``/generate``
+Answers come from the gateway's SGLang simulator (``sglang_sim``), byte for byte what its ``/generate``
 sends: the same keys and encodings as SGLang 0.5 (docs/protocol.md sections 1-2), top-p kept sets of 1-20 ids, routing
 as base64 of int32 ``[prompt + response - 1, L, K]``.
 """
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from gateway.simulator.engine import Engine, GenItem, SimulatorConfig
+from sglang_sim.engine import Engine, GenItem, SimulatorConfig
 
 QWEN3_VOCAB = 151_936
 TOP_P_FLAG = {"custom_params": {"return_top_p_token_ids": True}}
@@ -290,7 +290,7 @@ def simulator_config(moe: MoE, vocab: int = QWEN3_VOCAB, seed: int = 0) -> Simul
 
 
 def simulator_args(moe: MoE, vocab: int = QWEN3_VOCAB, seed: int = 0) -> list[str]:
-    """The same configuration as ``python -m gateway.simulator`` flags."""
+    """The same configuration as ``python -m sglang_sim`` flags."""
     return [
         *("--num-layers", str(moe.layers), "--topk", str(moe.topk), "--num-experts", str(moe.experts)),
         *("--vocab-size", str(vocab), "--seed", str(seed)),

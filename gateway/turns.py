@@ -590,8 +590,13 @@ class StreamTurn(Turn):
 
     def _open(self, response: Response) -> None:
         """Read ``response``, the stream of the running request (the turn's first, or a resumption)."""
+        self._next_request()
         self.response = response
         self._pieces = self.runner.upstream.relay(response)  # the upstream body; closing it closes the response
+
+    def _next_request(self) -> None:
+        """From here the caller's tokens are the next request's: the ones before are the answers kept (a cut from
+        now on folds them once, and what the new request brought)."""
         self.decoder = CumulativeStreamDecoder()
         self._owner_checked = False  # whether the first non-final chunk's rid was checked (``_check_owner``)
         self._request_start = len(self.token_ids)  # the caller's tokens before this request's
@@ -692,6 +697,7 @@ class StreamTurn(Turn):
             answer = await self._consume()
             if not self.resumes_after(answer):
                 return self.fold_final(answer)
+            self._next_request()  # the answer is kept: what streamed of it is no longer the running request's
             await self._read_rest()
             await self._close()
             self._open(await self.resubmit(self._open_stream, stream=True))

@@ -1,7 +1,7 @@
 """Agent sessions over the chat APIs, driven by the real ``openai`` and ``anthropic`` clients.
 
 A real gateway and a real simulator, both on a tiny real tokenizer made here (byte-level BPE with a tool-calling
-chat template, ``gateway.simulator.tiny_tokenizer``). The simulator answers with scripted text (tool calls, final
+chat template, ``sglang_sim.tiny_tokenizer``). The simulator answers with scripted text (tool calls, final
 answers) through ``/sim/script``, so an agent loop runs deterministically over several turns, streamed and not.
 
 What must hold: token-in-token-out (the session's tokens are exactly the template's rendering of the conversation

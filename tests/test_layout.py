@@ -3,6 +3,7 @@ whole of the lifespan's state and pass on what a call needs, so no module below 
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 from pathlib import Path
 
@@ -26,6 +27,25 @@ def test_the_gateway_package_has_no_import_cycle() -> None:
     # Nothing below the routes reaches the lifespan's state (the service locator the cycle came from).
     users = {name for name, imports in graph.items() if "gateway.state" in imports}
     assert users <= {"gateway.app", *(name for name in graph if name.startswith("gateway.routes."))}, users
+
+
+def imported_packages(package: Path) -> set[str]:
+    """The top-level names every module of ``package`` imports (absolute imports, wherever they are)."""
+    found: set[str] = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+    return found
+
+
+def test_the_simulator_is_a_sibling_of_the_product() -> None:
+    """The SGLang simulator (a development tool) lives beside the gateway, not inside it: neither imports the other."""
+    assert not (REPO_ROOT / "gateway" / "simulator").exists()
+    assert "sglang_sim" not in imported_packages(REPO_ROOT / "gateway")
+    assert "gateway" not in imported_packages(REPO_ROOT / "sglang_sim")
 
 
 def test_the_cycle_finder_finds_one(tmp_path: Path) -> None:

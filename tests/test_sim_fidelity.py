@@ -25,8 +25,8 @@ import numpy as np
 import pybase64
 import pytest
 
-from gateway.simulator.app import create_app
-from gateway.simulator.engine import SimulatorConfig
+from sglang_sim.app import create_app
+from sglang_sim.engine import SimulatorConfig
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang"
 NON_STREAMED = ("plain", "stop", "routed_experts", "start_len", "aborted")

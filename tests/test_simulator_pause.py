@@ -24,7 +24,7 @@ HELD_AT = 9
 @pytest.fixture(scope="module")
 def sim_url() -> Iterator[str]:
     port = free_port()
-    args = [sys.executable, "-m", "gateway.simulator", "--port", str(port), "--seed", "0"]
+    args = [sys.executable, "-m", "sglang_sim", "--port", str(port), "--seed", "0"]
     args += ["--num-layers", str(L), "--topk", str(K), "--num-experts", str(E), "--stream-chunk-tokens", "2"]
     with start_process(args, port) as proc:
         yield proc.url

@@ -26,7 +26,7 @@ from chat_checks import anthropic_client, check_trajectory, metric, new_session,
 from chat_checks import anthropic_turn as kit_anthropic_turn
 from conftest import Service, run_gateway, run_simulator
 
-from gateway.simulator.tiny_tokenizer import TOOL_FORMATS, build_tiny_chat_tokenizer
+from sglang_sim.tiny_tokenizer import TOOL_FORMATS, build_tiny_chat_tokenizer
 
 FORMATS = sorted(TOOL_FORMATS)
 SYSTEM = "You are a helpful assistant."

@@ -55,7 +55,7 @@ from weight_update_case import (
 
 @pytest.fixture(scope="module")
 def tiny_dir() -> Path:
-    from gateway.simulator.tiny_tokenizer import build_tiny_chat_tokenizer
+    from sglang_sim.tiny_tokenizer import build_tiny_chat_tokenizer
 
     return build_tiny_chat_tokenizer(Path(tempfile.mkdtemp(prefix="tiny-tokenizer-")))
 
@@ -476,3 +476,40 @@ def test_the_turn_tensors_of_a_resumed_turn_are_the_whole_turns(gateway: Service
     tensors = load_safetensors(response.content)
     assert len(tensors["tokens"]) == 40 and len(tensors["rollout_routed_experts"]) == 40 + 5 - 1
     assert tensors["rollout_weight_version_ids"].tolist() == [0] * 13 + [1] * 27
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("when", ["waiting", "refused"])
+def test_an_abort_between_the_requests_of_a_resumed_turn_keeps_the_first_answer_once(
+    gateway: Service, sim: Service, stream: bool, when: str
+) -> None:
+    """The engine aborted the answer; its resumption waits out the pause (or is refused and about to be sent again)
+    when the trainer aborts the session: the turn ends there, its first answer's tokens kept exactly once."""
+    sid = new_session(gateway, prefix=f"between-{when}")
+    script(sim, sid, ANSWER)
+    held(sim)
+
+    def abort_between() -> None:
+        wait_for(sim, held=1)
+        if when == "refused":
+            assert httpx.post(f"{sim.url}/sim/faults", json={"mode": "http_503", "count": -1}).status_code == 200
+            pause(sim)
+            resume_engine(sim)
+            deadline = time.monotonic() + 30
+            while not any(e["body"]["rid"].endswith("-r1") for e in httpx.get(f"{sim.url}/sim/requests").json()):
+                assert time.monotonic() < deadline, "the resumption was never sent"
+                time.sleep(0.01)
+        else:
+            pause(sim)
+            wait_for(sim, waiting=1)
+        assert httpx.post(f"{gateway.url}/v1/sessions/{sid}/abort", timeout=30).json()["aborted"] is True
+
+    outcome = run_to_outcome(gateway, sid, "chat", stream, abort_between)
+    httpx.delete(f"{sim.url}/sim/faults")
+    resume_engine(sim)
+    assert_error_in_shape("chat", stream, outcome, "turn_aborted")
+    state = wait_session_free(gateway, sid)
+    (turn,) = model_turns(state)
+    assert (turn["num_tokens"], turn["resumed"], state["status"]) == (HELD_AT, 1, "aborted")
+    arrays = sample(gateway, sid)
+    assert len(arrays["loss_mask"]) == HELD_AT and len(arrays["rollout_routed_experts"]) == len(arrays["tokens"]) - 1

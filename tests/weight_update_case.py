@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--apis", default=",".join(APIS))
     parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args(argv)
-    from gateway.simulator.tiny_tokenizer import build_tiny_chat_tokenizer
+    from sglang_sim.tiny_tokenizer import build_tiny_chat_tokenizer
 
     tokenizer_dir = build_tiny_chat_tokenizer(Path(tempfile.mkdtemp(prefix="tiny-tokenizer-")))
     outcomes = []

@@ -18,7 +18,7 @@ import orjson
 from bench.core import Check, Context, RowResult, log, ratio
 from bench.workload import QWEN3_VOCAB, MoE, prompt_ids, simulator_config
 from gateway.codec import CumulativeStreamDecoder
-from gateway.simulator.engine import Engine, GenItem
+from sglang_sim.engine import Engine, GenItem
 
 # "Flat": the per-chunk cost may grow at most this much from the shortest to the longest answer.
 FLAT_BOUND = 2.0

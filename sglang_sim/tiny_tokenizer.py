@@ -13,7 +13,7 @@ family's template renders them (``qwen3_coder``, ``glm45``, ``kimi_k2``, ``deeps
 that format gives a session whose tokens are the template's one-shot rendering; the format's markers are single
 tokens (added, not special, so they stay in the decoded text), as in the real tokenizers.
 
-    python -m gateway.simulator.tiny_tokenizer OUT_DIR [--tool-format NAME]
+    python -m sglang_sim.tiny_tokenizer OUT_DIR [--tool-format NAME]
 """
 
 from __future__ import annotations
@@ -246,14 +246,13 @@ def build_tiny_chat_tokenizer(out_dir: str | Path, vocab_size: int = VOCAB_SIZE,
     # version; both are read back by from_pretrained.
     calls = "" if tool_format == "hermes" else f" ({tool_format} tool calls)"
     (out / "README.txt").write_text(
-        "A tiny byte-level BPE chat tokenizer made by gateway.simulator.tiny_tokenizer for tests and the "
-        f"demo{calls}.\n"
+        f"A tiny byte-level BPE chat tokenizer made by sglang_sim.tiny_tokenizer for tests and the demo{calls}.\n"
     )
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gateway.simulator.tiny_tokenizer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sglang_sim.tiny_tokenizer", description=__doc__)
     parser.add_argument("out_dir")
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     parser.add_argument(

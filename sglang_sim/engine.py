@@ -66,7 +66,7 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True)
 class SimulatorConfig:
-    """Everything that shapes the simulated server (the CLI flags of `python -m gateway.simulator`)."""
+    """Everything that shapes the simulated server (the CLI flags of `python -m sglang_sim`)."""
 
     num_layers: int = 4
     topk: int = 2
