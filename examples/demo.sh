@@ -41,9 +41,9 @@ wait_healthy() {  # url name logfile [seconds]
 
 # The chat pair starts first, in the background: loading transformers takes a few seconds.
 echo "==> building a tiny chat tokenizer (byte-level BPE + a ChatML template with tools) into $TOKENIZER_DIR"
-"$PY" -m gateway.simulator.tiny_tokenizer "$TOKENIZER_DIR" >/dev/null
+"$PY" -m sglang_sim.tiny_tokenizer "$TOKENIZER_DIR" >/dev/null
 echo "==> starting a simulator ($CHAT_SIM) and a gateway ($CHAT_GW) with --tokenizer, for the chat routes"
-"$PY" -m gateway.simulator --port "$CHAT_SIM_PORT" --num-layers 4 --topk 2 --num-experts 8 --seed 0 \
+"$PY" -m sglang_sim --port "$CHAT_SIM_PORT" --num-layers 4 --topk 2 --num-experts 8 --seed 0 \
   --tokenizer "$TOKENIZER_DIR" >"$LOGS/chat-simulator.log" 2>&1 &
 pids+=($!)
 "$PY" -m gateway --upstream-url "$CHAT_SIM" --port "$CHAT_GW_PORT" --tokenizer "$TOKENIZER_DIR" \
@@ -51,7 +51,7 @@ pids+=($!)
 pids+=($!)
 
 echo "==> starting the SGLang simulator on $SIM (48-layer-like routing scaled down: 4 layers, top-2 of 8 experts)"
-"$PY" -m gateway.simulator --port "$SIM_PORT" --num-layers 4 --topk 2 --num-experts 8 --seed 0 \
+"$PY" -m sglang_sim --port "$SIM_PORT" --num-layers 4 --topk 2 --num-experts 8 --seed 0 \
   >"$LOGS/simulator.log" 2>&1 &
 pids+=($!)
 wait_healthy "$SIM" simulator "$LOGS/simulator.log"

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.state import GatewayState
-from gateway.store import Session
+from gateway.metrics import GatewayMetrics
+from gateway.store import Session, SessionStore
 from gateway.turns import ABORT_GRACE_S
 
 CLOSE_ABORT_REASON = "session closed"
@@ -45,31 +45,33 @@ class Drain:
         }
 
 
-async def close_session(state: GatewayState, session_id: str, wait_timeout_s: float) -> tuple[Session, Drain]:
+async def close_session(
+    store: SessionStore, metrics: GatewayMetrics, session_id: str, wait_timeout_s: float
+) -> tuple[Session, Drain]:
     """Close the session and drain its turns: wait up to ``wait_timeout_s`` for them, then abort what still runs."""
     started = time.monotonic()
-    session = await state.store.close(session_id)
+    session = await store.close(session_id)
     drain = Drain()
-    idle = await _wait_idle(state, session, started + wait_timeout_s)
+    idle = await _wait_idle(store, session, started + wait_timeout_s)
     if not idle:
         running = [branch.running for branch in session.branches if branch.running is not None]
         for turn in running:
             turn.abort(CLOSE_ABORT_REASON)
         drain.aborted = [turn.rid for turn in running]
         await asyncio.gather(*(turn.wait(SETTLE_S) for turn in running))
-        idle = await _wait_idle(state, session, time.monotonic() + SETTLE_S)
+        idle = await _wait_idle(store, session, time.monotonic() + SETTLE_S)
     drain.waited_s = time.monotonic() - started
     drain.busy = not idle
     if not idle:
-        drain.instance_id = await state.store.holder(session_id)
-    state.metrics.sessions_closed.labels("drained" if idle else "busy").inc()
+        drain.instance_id = await store.holder(session_id)
+    metrics.sessions_closed.labels("drained" if idle else "busy").inc()
     return session, drain
 
 
-async def _wait_idle(state: GatewayState, session: Session, deadline: float) -> bool:
+async def _wait_idle(store: SessionStore, session: Session, deadline: float) -> bool:
     """Until no branch of the session is held here nor by another replica (a shared store), or the deadline."""
     while True:
-        if not session.busy and await state.store.holder(session.session_id) is None:
+        if not session.busy and await store.holder(session.session_id) is None:
             return True
         left = deadline - time.monotonic()
         if left <= 0:

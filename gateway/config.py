@@ -62,6 +62,14 @@ class Settings(BaseSettings):
         description="ask SGLang only for the routing rows the session lacks (routed_experts_start_len); turn off "
         "for an upstream that mishandles it, at the cost of re-sending the whole routing history every turn",
     )
+    resume_max: int = Field(
+        8,
+        ge=0,
+        description="how many times one model turn is resubmitted when the engine aborts it mid-answer (a weight "
+        "update's pause): chat turns always, token-level turns that ask for it (resume). Past it, or past "
+        "request_timeout_s for the whole turn, a chat client gets 503 turn_interrupted and the session keeps what "
+        "was generated; 0: never resume",
+    )
     shutdown_grace_s: int = Field(
         5,
         ge=1,

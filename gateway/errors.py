@@ -19,6 +19,10 @@ base64, numpy) are translated into it at one boundary each, with ``raise ... fro
     │   ├── HistoryMismatch             409 history_mismatch     a chat history that disagrees with the session's
     │   └── SessionClosed               409 session_closed       the session was closed (its samples being taken)
     ├── StoreUnavailable                503 store_unavailable    the shared session store (Redis) cannot be reached
+    ├── TurnInterrupted                 503 turn_interrupted     the engine aborted the turn (a weight update) and it
+    │                                                            was not resumed (GATEWAY_RESUME_MAX, the deadline)
+    ├── TurnAborted                     503 turn_aborted         the trainer ended the turn (the session's abort route,
+    │                                                            the gateway-wide abort, shutdown)
     ├── NotFound                        404 not_found            no route has this path
     ├── MethodNotAllowed                405 method_not_allowed   the path exists, not with this method (Allow header)
     ├── LimitExceeded                   413 limit_exceeded       a GATEWAY_* limit refused the request
@@ -157,6 +161,26 @@ class StoreUnavailable(GatewayError):
 
     status_code = 503
     error_type = "store_unavailable"
+
+
+class TurnInterrupted(GatewayError):
+    """A model turn the engine aborted mid-answer (a weight update's pause) that was not resumed: ``reason`` says
+    which bound (resume_max, deadline, refused, resume_failed, max_session_tokens, off, engine_abort), ``resumed``
+    how often it was. The session keeps what was generated, marked aborted: the client must not take it for the
+    model's answer. 503: the harnesses' clients retry it (the retry's history, without the cut reply, forks a new
+    branch from before it)."""
+
+    status_code = 503
+    error_type = "turn_interrupted"
+
+
+class TurnAborted(GatewayError):
+    """A model turn the trainer ended on purpose (the session's abort route, the gateway-wide ``abort_all``, the
+    gateway shutting down): never resumed, kept in the session as aborted. 503, as for an interrupted turn: a client
+    that retries gets a new turn, unless the trainer deleted the session (then 404)."""
+
+    status_code = 503
+    error_type = "turn_aborted"
 
 
 class NotFound(GatewayError):

@@ -391,8 +391,9 @@ class RedisSessionStore(SessionStore):
         metadata: dict[str, Any] | None = None,
         sampling_defaults: dict[str, Any] | None = None,
         limits: SessionLimits | None = None,
+        resume: bool = False,
     ) -> Session:
-        session = self._new_session(sample, session_id, metadata, sampling_defaults, limits)
+        session = self._new_session(sample, session_id, metadata, sampling_defaults, limits, resume)
         sid = session.session_id
         with self._errors("create"):
             self._check_session_count(await self.redis.zcard(self._keys.index))
@@ -935,7 +936,16 @@ def _raw(array: np.ndarray) -> memoryview:
 
 
 # ---- the session's hash: its small fields --------------------------------------------------------------------------
-SESSION_FIELDS = ("samples", "metadata", "sampling_defaults", "limits", "created_at", "updated_at", "summary")
+SESSION_FIELDS = (
+    "samples",
+    "metadata",
+    "sampling_defaults",
+    "limits",
+    "resume",
+    "created_at",
+    "updated_at",
+    "summary",
+)
 # One hash field per branch, "branch:{sample id}": its place in the tree and its chat record (written when it changed:
 # a turn rewrites only its own branch's).
 BRANCH_FIELD = "branch:"
@@ -952,6 +962,7 @@ def _session_fields(
         "metadata": orjson.dumps(session.metadata),
         "sampling_defaults": orjson.dumps(session.sampling_defaults),
         "limits": orjson.dumps(session.limits.to_json()),
+        "resume": orjson.dumps(session.resume),
         "created_at": repr(session.created_at).encode(),
         "updated_at": repr(session.updated_at).encode(),
         "summary": orjson.dumps(session.listing() | {"busy": False}),
@@ -993,6 +1004,7 @@ def _session_from_fields(
         branches=[by_id[sample_id] for sample_id, _ in samples],
         metadata=orjson.loads(fields["metadata"]),
         sampling_defaults=orjson.loads(fields["sampling_defaults"]),
+        resume=orjson.loads(fields.get("resume", b"false")) is True,  # (sessions written before it have none)
         created_at=float(fields["created_at"]),
         updated_at=float(fields["updated_at"]),
         limits=SessionLimits.from_json(orjson.loads(fields["limits"]) if "limits" in fields else None),

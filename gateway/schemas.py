@@ -219,6 +219,12 @@ class TurnCreate(_Body):
     stream: StrictBool = False
     sync: SessionSync | None = None
     delete_after_turn: DeleteAfterTurn = "never"
+    resume: StrictBool | None = Field(
+        None,
+        description="when the engine aborts the answer mid-way (a weight update's pause), resubmit the continuation "
+        "and answer one turn (docs/operations/weight-updates.md); null: the session's `resume` (off unless it was "
+        "created with it). The chat routes always resume",
+    )
 
     @model_validator(mode="after")
     def _streams_keep_their_session(self) -> TurnCreate:
@@ -278,6 +284,11 @@ class SessionCreate(_Body):
         None, description="model turns over all the session's branches; past it a chat request is a 429"
     )
     generate: FirstTurn | None = None  # run the first model turn at once
+    resume: StrictBool = Field(
+        False,
+        description="the default of the session's token-level turns (`/generate`'s `resume`): resubmit an answer the "
+        "engine aborts mid-way. Off by default: slime's own partial rollout resumes the drop-in's aborted samples",
+    )
 
     @model_validator(mode="after")
     def _moe_shape_complete(self) -> SessionCreate:

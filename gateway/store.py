@@ -114,6 +114,7 @@ class Session:
     branches: list[Branch]  # [0]: the root, the token API's trajectory; the others in the order they were started
     metadata: dict[str, Any] = field(default_factory=dict)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    resume: bool = False  # the default of its token-level turns' ``resume`` (gateway.resume)
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     counted_bytes: int = 0  # stored_bytes when the store last counted it (see SessionStore.growing)
@@ -345,11 +346,12 @@ class SessionStore:
         metadata: dict[str, Any] | None = None,
         sampling_defaults: dict[str, Any] | None = None,
         limits: SessionLimits | None = None,
+        resume: bool = False,
     ) -> Session:
         if session_id is not None and session_id in self._sessions:
             raise SessionExists(f"session {session_id!r} already exists", session_id=session_id)
         self._check_session_count(len(self._sessions))
-        session = self._new_session(sample, session_id, metadata, sampling_defaults, limits)
+        session = self._new_session(sample, session_id, metadata, sampling_defaults, limits, resume)
         self._register(session)
         return session
 
@@ -360,6 +362,7 @@ class SessionStore:
         metadata: dict[str, Any] | None,
         sampling_defaults: dict[str, Any] | None,
         limits: SessionLimits | None = None,
+        resume: bool = False,
     ) -> Session:
         """A new session, checked against the limits of this process; not stored yet."""
         self._check_tokens(len(sample.tokens), "the prompt has")
@@ -370,6 +373,7 @@ class SessionStore:
             metadata=metadata or {},
             sampling_defaults=sampling_defaults or {},
             limits=limits or SessionLimits(),
+            resume=resume,
         )
 
     def _check_session_count(self, held: int) -> None:

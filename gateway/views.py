@@ -51,6 +51,7 @@ def session_view(session: Session, branch: int | None = None) -> dict[str, Any]:
             "weight_versions": sample.weight_versions,
             # what rollout_weight_version_ids index (the turn log has each model turn's spans)
             "weight_version_table": sample.weight_version_table,
+            "trained_versions": sample.trained_versions(),  # the versions its trained tokens span: staleness
             "cached_tokens": sample.cached_tokens,
             "prompt_tokens": sample.prompt_tokens,
             "spec_counters": sample.spec_counters,
@@ -80,7 +81,12 @@ def _sample_summary(sample: SessionSample) -> dict[str, Any]:
 def _branch_summary(session: Session, branch: Branch) -> dict[str, Any]:
     """A branch as the view's ``branches[i]`` shows it: where it stands in the tree, its sample's lengths."""
     meta = session.branch_meta(branch)
-    extra = {"busy": branch.busy, "chat": branch.record is not None, "last_error": last_error(branch.sample)}
+    extra = {
+        "busy": branch.busy,
+        "chat": branch.record is not None,
+        "last_error": last_error(branch.sample),
+        "trained_versions": branch.sample.trained_versions(),
+    }
     return meta | _sample_summary(branch.sample) | extra
 
 
@@ -174,6 +180,7 @@ def sample_metadata(session: Session, branch: Branch | None = None) -> dict[str,
         "prompt_length": str(sample.prompt_length),
         "weight_versions": orjson.dumps(sample.weight_versions).decode(),
         "weight_version_table": orjson.dumps(sample.weight_version_table).decode(),
+        "trained_versions": orjson.dumps(sample.trained_versions()).decode(),
         "cached_tokens": str(sample.cached_tokens),
         "prompt_tokens": str(sample.prompt_tokens),
         "spec_counters": orjson.dumps(sample.spec_counters).decode(),

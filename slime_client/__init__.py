@@ -44,6 +44,7 @@ from slime_client.errors import (
     UpstreamError,
 )
 from slime_client.sample import RolloutSample, TurnTensors
+from slime_client.staleness import StalenessBound, within_bound
 from slime_client.streaming import TurnDelta, TurnStream
 from slime_client.types import (
     ArraySpec,
@@ -79,9 +80,11 @@ __all__ = [
     "SessionState",
     "SessionSummary",
     "SessionSync",
+    "StalenessBound",
     "TurnDelta",
     "TurnResult",
     "TurnStream",
     "TurnTensors",
     "UpstreamError",
+    "within_bound",
 ]

@@ -87,6 +87,9 @@ class RolloutSample:
     # ``Sample`` field: ``to_slime`` leaves it out; read it here for per-token off-policy correction.
     rollout_weight_version_ids: torch.Tensor | None = None
     weight_version_table: list[str] = field(default_factory=list)
+    # The versions its trained tokens come from (the gateway's summary: first, last, count, tokens per version,
+    # unknown_tokens); ``slime_client.staleness`` bounds how far behind they may be.
+    trained_versions: dict[str, Any] = field(default_factory=dict)
     num_layers: int | None = None
     moe_router_topk: int | None = None
     spec_counters: dict[str, int] = field(default_factory=dict)
@@ -151,6 +154,7 @@ class RolloutSample:
                 rollout_routed_experts=tensors.get("rollout_routed_experts"),
                 rollout_weight_version_ids=tensors.get("rollout_weight_version_ids"),
                 weight_version_table=_json_field(meta, "weight_version_table", []),
+                trained_versions=_json_field(meta, "trained_versions", {}),
                 num_layers=_optional_int(meta, "num_layers"),
                 moe_router_topk=_optional_int(meta, "moe_router_topk"),
                 spec_counters=_json_field(meta, "spec_counters", {}),

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.simulator.tiny_tokenizer import TokenizerSpec
+from sglang_sim.tiny_tokenizer import TokenizerSpec
 
 # Shared Jinja: the index of the last user message, a message's reasoning, a call's function.
 _LAST_USER = (

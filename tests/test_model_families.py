@@ -39,7 +39,7 @@ from chat_checks import (
 from conftest import Service, run_gateway, run_simulator
 from families import FAMILIES, Family, model_text
 
-from gateway.simulator.tiny_tokenizer import build_tiny_chat_tokenizer
+from sglang_sim.tiny_tokenizer import build_tiny_chat_tokenizer
 
 FUNCTION = {
     "name": "get_weather",

@@ -216,6 +216,21 @@ def test_turns_through_either_replica_equal_one_process(simulator: Service, gate
     assert view_a["turns"] == 3 and view_a["status"] in ("completed", "truncated")
 
 
+def test_a_sessions_resume_default_holds_on_every_replica(simulator: Service, redis_server: RedisServer) -> None:
+    """Created with ``resume: true`` on one replica, its turns on another resubmit an answer the engine aborts."""
+    sid = f"resume-{uuid.uuid4().hex[:8]}"
+    with replicas(simulator.url, redis_server.url) as (a, b):
+        create(a, sid, resume=True)
+        assert httpx.post(f"{simulator.url}/sim/faults", json={"mode": "abort"}).status_code == 200
+        turn = post(b, f"/v1/sessions/{sid}/generate", tokens(12))
+        assert (turn["resumed"], turn["completion_tokens"], turn["status"]) == (1, 12, "truncated")
+        plain = f"plain-{uuid.uuid4().hex[:8]}"
+        create(a, plain)
+        assert httpx.post(f"{simulator.url}/sim/faults", json={"mode": "abort"}).status_code == 200
+        turn = post(b, f"/v1/sessions/{plain}/generate", tokens(12))
+        assert (turn["resumed"], turn["completion_tokens"], turn["status"]) == (0, 6, "aborted")
+
+
 def test_a_second_turn_from_another_replica_is_a_409(simulator: Service, store: str) -> None:
     sid = f"busy-{uuid.uuid4().hex[:8]}"
     with replicas(simulator.url, store) as (a, b), httpx.Client(timeout=30) as http:

@@ -1,7 +1,7 @@
 """The simulator's real-tokenizer vocabulary (`--tokenizer`) and scripted answers (`POST /sim/script`).
 
 In-process simulators (httpx over ASGI) share one tiny chat tokenizer built once for the module; one test runs the
-real `python -m gateway.simulator --tokenizer` process to cover the flag.
+real `python -m sglang_sim --tokenizer` process to cover the flag.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pybase64
 import pytest
 from conftest import Service
 
-from gateway.simulator import SimulatorConfig, create_app
+from sglang_sim import SimulatorConfig, create_app
 
 L, K, E = 4, 2, 8
 PROMPT = list(range(100, 112))

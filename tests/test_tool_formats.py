@@ -27,7 +27,7 @@ from chat_checks import anthropic_turn as kit_anthropic_turn
 from conftest import Service, run_gateway, run_simulator
 
 from gateway.chat.tool_parsers import FORMATS as FORMATS_BY_NAME
-from gateway.simulator.tiny_tokenizer import TOOL_FORMATS, build_tiny_chat_tokenizer
+from sglang_sim.tiny_tokenizer import TOOL_FORMATS, build_tiny_chat_tokenizer
 
 FORMATS = sorted(TOOL_FORMATS)
 SYSTEM = "You are a helpful assistant."

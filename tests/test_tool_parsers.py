@@ -1,5 +1,5 @@
 """The tool-call parsers (``gateway.chat.tool_parsers``), one layer on its own: each format reads back exactly what its
-chat template writes (the project's templates, ``gateway.simulator.tiny_tokenizer.TOOL_FORMATS``, rendered here with
+chat template writes (the project's templates, ``sglang_sim.tiny_tokenizer.TOOL_FORMATS``, rendered here with
 Jinja as transformers renders them), values typed by the tool's schema, adversarial text (unclosed, nested, garbage,
 huge, unicode, markers inside arguments, text between calls) is all content and ``failed``, and the streamed content
 equals the unary content for any split of the text.
@@ -25,7 +25,7 @@ from gateway.chat.service import ReplySplitter
 from gateway.chat.tool_formats.base import schema_types, typed_value
 from gateway.chat.tool_parsers import ALIASES, FORMATS, PARSERS, STREAM_SPLITTERS, ParsedCompletion
 from gateway.config import Settings
-from gateway.simulator.tiny_tokenizer import TOOL_FORMATS
+from sglang_sim.tiny_tokenizer import TOOL_FORMATS
 
 NAMES = sorted(FORMATS)
 WEATHER = Tool(

@@ -20,6 +20,7 @@ from bench.rows import (
     passthrough,
     redis_turn,
     replicas,
+    resume_turn,
     routing_traffic,
     stream_turn,
     streaming,
@@ -60,4 +61,5 @@ ROWS: tuple[Row, ...] = (
     _row(17, cluster_replicas),
     _row(18, agent_loop),
     _row(19, agent_finish),
+    _row(20, resume_turn),
 )

@@ -31,7 +31,7 @@ from gateway.schemas import (
 )
 from gateway.state import GatewayState, StateDep
 from gateway.store import SessionLimits
-from gateway.turns import ABORT_GRACE_S, FoldedTurn, open_stream_turn, run_turn
+from gateway.turns import ABORT_GRACE_S, FoldedTurn
 from gateway.views import full_view, group_payload, sample_payload, session_summary, session_view, turn_payload
 
 router = APIRouter(prefix="/v1", tags=["sessions"])
@@ -64,6 +64,7 @@ async def create_session(body: SessionCreateBody, state: StateDep, request: Requ
         metadata=body.metadata,
         sampling_defaults=body.sampling_defaults,
         limits=SessionLimits(max_context_tokens=body.max_context_tokens, max_turns=body.max_turns),
+        resume=body.resume,
     )
     if body.generate is None:
         return json_response(session_summary(session), status_code=201)
@@ -145,7 +146,7 @@ async def generate(session_id: str, body: TurnCreateBody, state: StateDep, reque
 async def _unary_turn(state: GatewayState, session_id: str, body: TurnCreate) -> FoldedTurn:
     async with state.store.exclusive(session_id) as trajectory:
         state.store.check_growth(trajectory)  # the answer itself is checked again before it is folded
-        folded = await run_turn(state, trajectory, body)
+        folded = await state.runner.run(trajectory, body)
     status = folded.plan.status_after
     if body.delete_after_turn == "always" or (body.delete_after_turn == "if_finished" and status in FINISHED):
         await state.store.delete(session_id)
@@ -167,7 +168,7 @@ async def _stream_turn(session_id: str, body: TurnCreate, state: StateDep) -> Re
     trajectory = await state.store.acquire(session_id)
     try:
         state.store.check_growth(trajectory)
-        turn = await open_stream_turn(state, trajectory, body)
+        turn = await state.runner.open_stream(trajectory, body)
     except BaseException:
         await state.store.release(trajectory)  # nothing was sent to the caller yet: a plain HTTP error
         raise
@@ -222,7 +223,7 @@ async def close(session_id: str, body: SessionCloseBody, state: StateDep) -> Res
     """Close the session before taking its samples: from now on every turn asked for is refused (409
     ``session_closed``, in each chat API's own shape); running turns get ``wait_timeout_s`` to end, then are aborted.
     Answers once none runs (``drained``), or the wait and the abort are over. Idempotent."""
-    session, drain = await close_session(state, session_id, float(body.wait_timeout_s))
+    session, drain = await close_session(state.store, state.metrics, session_id, float(body.wait_timeout_s))
     return json_response(session_summary(session) | drain.to_json())
 
 

@@ -1,7 +1,7 @@
-"""`python -m gateway.simulator --port P ...`: serve one simulated SGLang worker with uvicorn.
+"""`python -m sglang_sim --port P ...`: serve one simulated SGLang worker with uvicorn.
 
 By default the vocabulary is synthetic (--vocab-size ids, each one's text " w<id>"). With --tokenizer DIR (a Hugging
-Face tokenizer directory, e.g. one made by `python -m gateway.simulator.tiny_tokenizer DIR`) it is that tokenizer's:
+Face tokenizer directory, e.g. one made by `python -m sglang_sim.tiny_tokenizer DIR`) it is that tokenizer's:
 its size and eos replace --vocab-size and --eos-token-id, answers decode with it, random answers never contain
 special tokens but the final eos, and `text` prompts are encoded with it.
 
@@ -24,7 +24,7 @@ from slime_wire.memory import keep_freed_memory
 from .app import create_app
 from .engine import SimulatorConfig
 
-logger = logging.getLogger("gateway.simulator")
+logger = logging.getLogger("sglang_sim")
 
 # Logged by uvicorn whenever a response is left unfinished, which is exactly what the cut_stream fault does.
 _CUT_MESSAGE = "ASGI callable returned without completing response."
@@ -59,7 +59,7 @@ class _Server(uvicorn.Server):
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m gateway.simulator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m sglang_sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True, help="0 picks a free port (logged)")

@@ -18,6 +18,21 @@ without eos and shorter: `{"type": "stop", "matched": null}` (see `engine.script
 HTTP-error fault or a 400 takes no answer, so its retry gets it. `GET /sim/script` lists what is queued per prefix,
 `DELETE /sim/script` and `POST /sim/reset` clear it.
 
+SGLang's weight-update protocol, as slime drives it (pause -> flush_cache -> update -> continue):
+`POST /pause_generation {"mode": "abort" | "retract" | "in_place"}` (default abort) and `POST /continue_generation`.
+While paused, a new `/generate` waits before it starts (SGLang's tokenizer manager holds it on `is_pause`; it is not
+refused) and an abort still reaches it (it ends with no tokens). `abort`: every running answer ends at once with
+`finish_reason.type == "abort"` and its output so far (the pause answers once they have ended); `retract` and
+`in_place`: running answers stop where they are and go on after continue (`retract` counts it in
+`meta_info.num_retractions`); `flush_cache` fails (400) while an `in_place` pause keeps answers running, as SGLang's.
+A weight update while paused (`POST /update_weight_version {"new_version": V}`, SGLang's route, which also aborts
+the running answers unless `"abort_all_requests": false`; or `/sim/weight_version`) is the version the answers go on
+with: their `weight_versions` spans switch where they paused. An answer aborted part-way is resumed by a request
+whose input is its prompt plus the tokens it had (engine `Continuation`): that request goes on with the rest of the
+same answer. The `hold` fault stops an answer at an exact token until continue (or an abort), so tests can land the
+pause on token K; `GET /sim/stats` counts the answers `held` there or paused, the requests `waiting` to start, and
+the pause `mode` (null when running).
+
 All state lives in one `Simulator` object per app (scripts included); nothing is module-global.
 """
 
@@ -46,6 +61,7 @@ from .engine import (
     GenItem,
     ScriptBook,
     SimulatorConfig,
+    WeightUpdate,
     nesting_depth,
     parse_generate,
     parse_script,
@@ -60,6 +76,9 @@ CUT_AFTER_CHUNKS = 2  # stream faults let this many chunks through first
 DONE_EVENT = (b"data: [DONE]\n\n",)
 JSON = "application/json"
 _INVALID = object()  # marks a body that is not JSON
+PAUSE_MODES = ("abort", "retract", "in_place")
+# How long `/pause_generation` in its abort mode waits for the aborted answers to end (SGLang polls until none runs).
+PAUSE_DRAIN_S = 5.0
 
 
 @dataclass
@@ -73,34 +92,64 @@ class Stats:
     errors: int = 0  # 4xx/5xx answers from /generate
     faults_applied: int = 0
     scripted: int = 0  # prompts answered from /sim/script
+    resumed: int = 0  # prompts that resumed an aborted answer (engine.Continuation)
 
 
 class _Running:
-    """A prompt being generated: what /abort_request and a disconnect signal."""
+    """A prompt being generated (or waiting for a pause to end before it starts): what /abort_request, a
+    disconnect, a pause and a continue signal."""
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str, hold_at: int | None = None) -> None:
         self.rid = rid
-        self.event = asyncio.Event()
+        self.wake = asyncio.Event()  # set by an abort, a disconnect, a pause, a continue
+        self.aborted = False
         self.disconnected = False
+        self.released = False  # a continue came while it waited
+        self.hold_at = hold_at  # the hold fault: stop after this many tokens until continued
+        self.gen: Generation | None = None  # once started
+
+    @property
+    def stopped(self) -> bool:
+        return self.aborted or self.disconnected
 
     def abort(self) -> None:
-        self.event.set()
+        self.aborted = True
+        self.wake.set()
 
     def disconnect(self) -> None:
         self.disconnected = True
-        self.event.set()
+        self.wake.set()
+
+    def nudge(self) -> None:
+        self.wake.set()
+
+    def release(self) -> None:
+        self.released = True
+        self.wake.set()
 
     async def sleep(self, seconds: float) -> bool:
-        """Sleep like a model generating; False as soon as the request is aborted or its client is gone."""
-        if self.event.is_set():
+        """Sleep like a model generating; False as soon as it is stopped (aborted, its client gone) or nudged (a
+        pause: the caller looks at what changed)."""
+        if self.stopped:
             return False
         if seconds <= 0:
             return True
         try:
-            await asyncio.wait_for(self.event.wait(), seconds)
+            await asyncio.wait_for(self.wake.wait(), seconds)
         except TimeoutError:
             return True
+        if not self.stopped:
+            self.wake.clear()
         return False
+
+    async def wait_for_continue(self) -> bool:
+        """Until a continue releases it (True) or it is stopped (False)."""
+        self.released = False
+        while not self.stopped and not self.released:
+            await self.wake.wait()
+            if not self.stopped:
+                self.wake.clear()
+        return not self.stopped
 
 
 async def _watch_disconnect(receive: Receive, runs: Iterable[_Running]) -> None:
@@ -125,6 +174,10 @@ def _sse(obj: Any) -> Event:
     if len(payload) < JOIN_EVENTS_BELOW:
         return (b"data: %b\n\n" % payload,)
     return (b"data: ", payload, b"\n\n")
+
+
+def _hold_at(fault: Fault | None) -> int | None:
+    return fault.after_tokens if fault is not None and fault.mode == "hold" else None
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -223,6 +276,8 @@ class Simulator:
         self.requests: deque[dict[str, Any]] = deque(maxlen=REQUEST_LOG_SIZE)
         self.stats = Stats()
         self._running: dict[str, set[_Running]] = {}
+        self.pause_mode: str | None = None  # SGLang's is_pause, with the mode it was paused in
+        self._waiting: set[_Running] = set()  # held, paused, or not started because of a pause
 
     def routes(self) -> list[Route]:
         return [
@@ -235,6 +290,9 @@ class Simulator:
             Route("/get_server_info", self.server_info, methods=["GET"]),
             Route("/server_info", self.server_info, methods=["GET"]),
             Route("/flush_cache", self.flush_cache, methods=["GET", "POST"]),
+            Route("/pause_generation", self.pause_generation, methods=["POST"]),
+            Route("/continue_generation", self.continue_generation, methods=["POST"]),
+            Route("/update_weight_version", self.update_weight_version, methods=["POST"]),
             Route("/v1/loads", self.loads, methods=["GET"]),
             Route("/sim/faults", self.sim_faults, methods=["GET", "POST", "DELETE"]),
             Route("/sim/requests", self.sim_requests, methods=["GET", "DELETE"]),
@@ -294,7 +352,7 @@ class Simulator:
     ) -> Response:
         if fault is not None and fault.mode == "stream_error":
             return self._failed(500, "simulated stream error")  # what a non-streamed call sees instead
-        runs = [_Running(item.rid) for item in items]
+        runs = [_Running(item.rid, _hold_at(fault)) for item in items]
         watcher = asyncio.create_task(_watch_disconnect(request.receive, runs))
         try:
             parts = await asyncio.gather(
@@ -311,10 +369,12 @@ class Simulator:
         return Response(body, media_type=JSON)
 
     async def _run_item(self, item: GenItem, run: _Running, fault: Fault | None, started: float) -> bytes:
-        gen = self._start(item, fault)
         self._register(run)
         try:
-            m, aborted = await self._pace(gen.n, run)
+            admitted = await self._admitted(run)  # False: aborted while a pause held it back (no tokens)
+            gen = self._start(item, fault, run)
+            m = await self._pace(run, gen.n) if admitted else 0
+            aborted = m < gen.n or (not admitted) or (gen.n == 0 and run.stopped)
         finally:
             self._unregister(run)
         if fault is not None and fault.mode == "abort":
@@ -326,49 +386,99 @@ class Simulator:
         finally:
             self._finish(gen, m, aborted, run.disconnected)
 
-    async def _pace(self, n: int, run: _Running) -> tuple[int, bool]:
-        """Wait as long as generating `n` tokens takes; on abort, how many tokens were done by then."""
-        latency = self.config.latency_ms / 1000
+    async def _admitted(self, run: _Running) -> bool:
+        """A request that arrives while the engine is paused waits (SGLang holds it, it does not refuse it) until
+        continue; False when it was aborted (or its client left) meanwhile."""
+        if self.pause_mode is None:
+            return True
+        self._waiting.add(run)
+        try:
+            return await run.wait_for_continue()
+        finally:
+            self._waiting.discard(run)
+
+    async def _pace(self, run: _Running, n: int) -> int:
+        """A unary answer's `n` tokens, paced (the latency first); how many there are when it ends."""
+        if not await run.sleep(self.config.latency_ms / 1000) and run.stopped:
+            return 0
+        m = 0
+        while m < n and not run.stopped:
+            m = await self._advance(run, m, n)
+        return m
+
+    async def _advance(self, run: _Running, m: int, target: int) -> int:
+        """Generate from `m` tokens towards `target`, paced like a model; a pause in place or retract, or the hold
+        point, is waited out first (until continue). Returns at `target`, at the hold point (so that a stream sends
+        the tokens up to it before it holds), or where it was stopped (aborted, its client gone)."""
         per_token = self.config.token_delay_ms / 1000
-        t0 = time.perf_counter()
-        if await run.sleep(latency + n * per_token):
-            return n, False
-        done = int((time.perf_counter() - t0 - latency) / per_token) if per_token > 0 else 0
-        return min(max(done, 0), max(n - 1, 0)), True
+        while m < target and not run.stopped:
+            if self.pause_mode is not None or (run.hold_at is not None and m >= run.hold_at):
+                await self._hold(run, m)
+                continue
+            step = target if run.hold_at is None else min(target, run.hold_at)
+            t0 = time.perf_counter()
+            if await run.sleep((step - m) * per_token):
+                m = step
+                if m == run.hold_at:
+                    return m
+            elif per_token > 0:  # stopped or paused part-way: the tokens done by then
+                done = int((time.perf_counter() - t0) / per_token)
+                m = max(m, min(m + done, step - 1))
+        return m
+
+    async def _hold(self, run: _Running, m: int) -> None:
+        """Generate nothing until a continue (the hold point reached, or a pause in place or retract): then go on
+        from `m` on the weights of that moment."""
+        self._waiting.add(run)
+        try:
+            released = await run.wait_for_continue()
+        finally:
+            self._waiting.discard(run)
+        if released:
+            run.hold_at = None
+            if run.gen is not None:
+                run.gen.continue_on(m, self.engine.weight_version)
 
     # ------------------------------------------------------------------------------------- streaming
 
     def _stream(self, item: GenItem, fault: Fault | None, started: float) -> Response:
-        gen = self._start(item, fault)
-        run = _Running(item.rid)
-        return _EventStream(self._events(gen, run, fault.mode if fault else None, started), run)
+        run = _Running(item.rid, _hold_at(fault))
+        return _EventStream(self._events(item, run, fault, started), run)
 
     async def _events(
-        self, gen: Generation, run: _Running, mode: str | None, started: float
+        self, item: GenItem, run: _Running, fault: Fault | None, started: float
     ) -> AsyncGenerator[Event | None, None]:
         """Cumulative chunks paced like token generation, then the final chunk and [DONE]."""
         cfg = self.config
-        per_token = cfg.token_delay_ms / 1000
-        stop_at = gen.n // 2 if mode == "abort" else gen.n
-        m, sent, aborted = 0, 0, False
+        mode = fault.mode if fault else None
         self._register(run)
         try:
-            aborted = not await run.sleep(cfg.latency_ms / 1000)
+            admitted = await self._admitted(run)
+        except BaseException:
+            self._unregister(run)
+            raise
+        gen = self._start(item, fault, run)
+        stop_at = gen.n // 2 if mode == "abort" else gen.n
+        m, sent, aborted = 0, 0, not admitted
+        try:
+            if admitted and not await run.sleep(cfg.latency_ms / 1000) and run.stopped:
+                aborted = True
             while not aborted and m < stop_at:
                 target = min(m + cfg.stream_chunk_tokens, stop_at)
-                if not await run.sleep((target - m) * per_token):
+                reached = await self._advance(run, m, target)
+                if run.stopped:  # the tokens of the chunk it was in are not counted
                     aborted = True
                     break
-                if mode in ("cut_stream", "stream_error") and (sent >= CUT_AFTER_CHUNKS or target == stop_at):
+                if mode in ("cut_stream", "stream_error") and (sent >= CUT_AFTER_CHUNKS or reached == stop_at):
                     for event in self._broken_ending(mode):
                         yield event
                     return
-                m = target
+                m = reached
                 if m == stop_at:
                     break  # the last tokens travel with the final chunk
                 yield self._maybe_malformed(_sse(gen.chunk(m, first=sent == 0)), mode, sent)
                 sent += 1
-                if per_token == 0:
+                if cfg.token_delay_ms == 0:
                     await asyncio.sleep(0)  # let aborts and disconnects in between chunks
             if run.disconnected:
                 return
@@ -396,13 +506,17 @@ class Simulator:
 
     # --------------------------------------------------------------------------------- shared steps
 
-    def _start(self, item: GenItem, fault: Fault | None) -> Generation:
-        script = self.scripts.take(item.rid)
-        gen = self.engine.start(item, script)
+    def _start(self, item: GenItem, fault: Fault | None, run: _Running) -> Generation:
+        """The answer starts: the rest of an aborted one it resumes, else a scripted or a random one."""
+        continuation = self.engine.take_continuation(item)
+        script = None if continuation is not None else self.scripts.take(item.rid)
+        gen = self.engine.start(item, script, continuation)
         if fault is not None:
             gen.distortion = fault.distortion
+        run.gen = gen
         self.stats.items += 1
         self.stats.scripted += script is not None
+        self.stats.resumed += continuation is not None
         return gen
 
     async def _build(self, gen: Generation, m: int, finish: dict[str, Any], started: float, *, sse: bool) -> Event:
@@ -424,6 +538,7 @@ class Simulator:
             self.stats.disconnected += 1
         elif aborted:
             self.stats.aborted += 1
+            self.engine.note_abort(gen, m)
         else:
             self.stats.completed += 1
 
@@ -501,8 +616,57 @@ class Simulator:
         return _json({**info, **self._shape()})
 
     async def flush_cache(self, request: Request) -> Response:
+        if self.pause_mode == "in_place" and any(run.gen is not None for run in self._waiting):
+            # SGLang: an in-place pause keeps the answers in the running batch, whose cache cannot be flushed
+            return Response("Cache not flushed. Please check server log.\n", status_code=400, media_type="text/plain")
         self.engine.cache.clear()
         return Response("Cache flushed.\n", media_type="text/plain")
+
+    # ------------------------------------------------------------------ weight updates (slime's sequence)
+
+    async def pause_generation(self, request: Request) -> Response:
+        body = _loads(await request.body())
+        mode = body.get("mode", "abort") if isinstance(body, dict) else "abort" if body is None else None
+        if mode not in PAUSE_MODES:
+            return _error(400, f"mode must be one of {', '.join(PAUSE_MODES)} (got {mode!r})")
+        self.pause_mode = mode
+        started = [run for runs in self._running.values() for run in runs if run.gen is not None]
+        if mode == "abort":
+            for run in started:
+                run.abort()
+            await self._drained(started)
+        else:
+            for run in started:
+                if mode == "retract" and run.gen is not None:
+                    run.gen.retractions += 1
+                run.nudge()  # it stops at its next step and waits for continue
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _drained(self, runs: list[_Running]) -> None:
+        deadline = time.perf_counter() + PAUSE_DRAIN_S
+        while any(run in self._running.get(run.rid, ()) for run in runs) and time.perf_counter() < deadline:
+            await asyncio.sleep(0.005)
+
+    async def continue_generation(self, request: Request) -> Response:
+        """The pause ends: paused answers go on, held ones too, and requests that waited start."""
+        self.pause_mode = None
+        for run in list(self._waiting):
+            run.release()
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def update_weight_version(self, request: Request) -> Response:
+        """SGLang's `/update_weight_version {"new_version": V, "abort_all_requests": true}`: the version the answers
+        from now on carry (running ones abort first unless `abort_all_requests` is false)."""
+        body = _loads(await request.body())
+        version = body.get("new_version") if isinstance(body, dict) else None
+        if not isinstance(version, str) or not version:
+            return _error(400, 'body must be {"new_version": "<non-empty string>", "abort_all_requests": <bool>}')
+        if body.get("abort_all_requests", True):
+            for runs in list(self._running.values()):
+                for run in runs:
+                    run.abort()
+        self.engine.update_weights(WeightUpdate(version))
+        return _json({"success": True, "message": f"Weight version updated to {version}", "new_version": version})
 
     def _running_count(self) -> int:
         return sum(len(runs) for runs in self._running.values())
@@ -534,7 +698,14 @@ class Simulator:
         return _json(list(self.requests))
 
     async def sim_stats(self, request: Request) -> Response:
-        stats = {**asdict(self.stats), "running": self._running_count(), "cached_sequences": len(self.engine.cache)}
+        stats = {
+            **asdict(self.stats),
+            "running": self._running_count(),
+            "cached_sequences": len(self.engine.cache),
+            "paused": self.pause_mode,
+            "held": sum(run.gen is not None for run in self._waiting),
+            "waiting": sum(run.gen is None for run in self._waiting),
+        }
         return _json(stats)
 
     async def sim_reset(self, request: Request) -> Response:
@@ -546,6 +717,10 @@ class Simulator:
         self.engine.cache.clear()
         self.engine.weight_version = self.config.weight_version
         self.engine.pending_update = None
+        self.engine.continuations.clear()
+        self.pause_mode = None
+        for run in list(self._waiting):
+            run.release()
         return _json({"reset": True})
 
     async def sim_weight_version(self, request: Request) -> Response:

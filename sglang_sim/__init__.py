@@ -1,10 +1,10 @@
 """An SGLang-protocol simulator: a stand-in SGLang worker for tests, demos and benchmarks.
 
 Speaks docs/protocol.md sections 1-4 (same keys, encodings, cumulative SSE, abort, errors) with a configurable MoE
-shape, latency and fault injection, deterministic from a seed. Independent of the rest of `gateway` on purpose,
-so it can stand in for SGLang anywhere.
+shape, latency and fault injection, deterministic from a seed. A package of its own beside the gateway, which never
+imports it (nor does it import the gateway), so it can stand in for SGLang anywhere.
 
-    python -m gateway.simulator --port 30000 --num-layers 48 --topk 8 --num-experts 128
+    python -m sglang_sim --port 30000 --num-layers 48 --topk 8 --num-experts 128
 
 In-process: `create_app(SimulatorConfig(...))` returns the ASGI app.
 """

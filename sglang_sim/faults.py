@@ -1,6 +1,7 @@
 """Fault injection: a FIFO of faults, each applied to the next N /generate calls (one fault per call).
 
-`POST /sim/faults {"mode": M, "count": N = 1 (-1: until DELETE /sim/faults), "delay_s": s}`. Modes:
+`POST /sim/faults {"mode": M, "count": N = 1 (-1: until DELETE /sim/faults), "delay_s": s, "after_tokens": K}`.
+Modes:
 
 answer faults (a correct answer, then corrupted; in a stream they hit the chunks that carry the key):
   bad_base64        routed_experts is not valid base64
@@ -20,6 +21,10 @@ transport faults (the app acts on them by name):
   malformed_json    200 with truncated JSON (stream: the first event's JSON is cut)
   stream_error      stream: two chunks, then an in-band {"error": ...} event and [DONE]; non-stream: 500
   abort             finish with type "abort" after half the tokens
+  hold              generate the first after_tokens (K) tokens (a stream sends them), then hold: nothing more until
+                    POST /continue_generation (it goes on) or an abort (/abort_request, /pause_generation in its
+                    abort mode: it ends there, with exactly K tokens). A weight update's landing point, made exact:
+                    the tests hold an answer at token K, then drive slime's pause -> update -> continue
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ HTTP_ERRORS: dict[str, tuple[int, str]] = {
     "http_503": (503, "simulated overload: service unavailable"),
 }
 
-TRANSPORT_MODES = frozenset({"delay", "cut_stream", "malformed_json", "abort", "stream_error"})
+TRANSPORT_MODES = frozenset({"delay", "cut_stream", "malformed_json", "abort", "stream_error", "hold"})
 FAULT_MODES = frozenset(DISTORTIONS) | frozenset(HTTP_ERRORS) | TRANSPORT_MODES
 DEFAULT_DELAY_S = 1.0
 
@@ -61,6 +66,7 @@ class Fault:
     mode: str
     remaining: int  # calls still to hit; -1 = until cleared
     delay_s: float = 0.0
+    after_tokens: int | None = None  # hold: where the answer stops until continued
 
     @property
     def distortion(self) -> Distortion:
@@ -71,7 +77,8 @@ class Fault:
 
 
 def parse_fault(body: Any) -> Fault:
-    """Validate a `POST /sim/faults` body: {"mode": M, "count": N = 1 (-1 = until cleared), "delay_s": s}."""
+    """Validate a `POST /sim/faults` body: {"mode": M, "count": N = 1 (-1 = until cleared), "delay_s": s,
+    "after_tokens": K (hold only, required there)}."""
     if not isinstance(body, dict):
         raise ValueError("body must be a JSON object")
     mode = body.get("mode")
@@ -83,7 +90,10 @@ def parse_fault(body: Any) -> Fault:
     delay = body.get("delay_s", DEFAULT_DELAY_S if mode == "delay" else 0.0)
     if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
         raise ValueError("delay_s must be a number >= 0")
-    return Fault(mode, count, float(delay))
+    after = body.get("after_tokens")
+    if (mode == "hold") != (after is not None) or (after is not None and (type(after) is not int or after < 0)):
+        raise ValueError('after_tokens (an int >= 0) is what "hold" needs, and only "hold" takes it')
+    return Fault(mode, count, float(delay), after)
 
 
 class FaultQueue:
@@ -112,4 +122,4 @@ class FaultQueue:
             head.remaining -= 1
             if head.remaining == 0:
                 self._queue.popleft()
-        return Fault(head.mode, 1, head.delay_s)
+        return Fault(head.mode, 1, head.delay_s, head.after_tokens)

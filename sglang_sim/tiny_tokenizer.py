@@ -15,7 +15,7 @@ the template's one-shot rendering; the format's markers are single tokens (added
 decoded text). A ``TokenizerSpec`` instead gives a whole chat format of its own (another family's template, role
 and stop tokens; ``tests/families.py``).
 
-    python -m gateway.simulator.tiny_tokenizer OUT_DIR [--tool-format NAME]
+    python -m sglang_sim.tiny_tokenizer OUT_DIR [--tool-format NAME]
 """
 
 from __future__ import annotations
@@ -369,14 +369,13 @@ def build_tiny_chat_tokenizer(
     # version; both are read back by from_pretrained.
     calls = "" if tool_format == "hermes" else f" ({tool_format} tool calls)"
     (out / "README.txt").write_text(
-        "A tiny byte-level BPE chat tokenizer made by gateway.simulator.tiny_tokenizer for tests and the "
-        f"demo{calls}.\n"
+        f"A tiny byte-level BPE chat tokenizer made by sglang_sim.tiny_tokenizer for tests and the demo{calls}.\n"
     )
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gateway.simulator.tiny_tokenizer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sglang_sim.tiny_tokenizer", description=__doc__)
     parser.add_argument("out_dir")
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     parser.add_argument(

@@ -9,7 +9,12 @@ Everything a `/generate` answer contains is a function of the simulator seed, th
   that re-sends an earlier turn's tokens gets the same rows for them, as with a real prefix cache;
 - the top-p kept sets are drawn from a second stream of the same seed, so asking for them never changes tokens;
 - a weight update set to land mid-answer (`WeightUpdate.after_tokens`) switches at a generated position, not at a
-  time, so the answer's `weight_versions` spans do not depend on timing either.
+  time, so the answer's `weight_versions` spans do not depend on timing either; so does one made while a paused
+  answer waits (`Generation.continue_on`: it goes on from where it stopped, on the version of that moment);
+- an answer aborted part-way (`Engine.note_abort`) is the model's continuation of its own prefix: a later request
+  whose input is exactly that prompt plus the tokens generated before the abort (a client resuming it) goes on with
+  the rest of the same answer (`Continuation`), as a deterministic model would, so a resumed answer equals the
+  uninterrupted one token for token.
 
 The vocabulary (`Vocabulary`) is synthetic by default: `vocab_size` ids whose text is `" w{id}"`, the eos id's text
 empty. With `SimulatorConfig.tokenizer` (a Hugging Face tokenizer directory) it is that tokenizer's: `len(tokenizer)`
@@ -45,6 +50,7 @@ import pybase64
 MAX_TOKEN_ID = 2**31 - 1
 MAX_NEW_TOKENS = 1 << 20  # the simulated context length: keeps a typo from allocating gigabytes
 MAX_EXPERTS = 1 << 16  # the routing table is num_experts x topk
+MAX_CONTINUATIONS = 4096  # aborted answers kept for the requests that resume them
 _U64 = 2**64
 _ELEMENT_END = re.compile(rb"null\]")
 ABORT_FINISH: dict[str, Any] = {"type": "abort", "message": "Abort requested", "status_code": None, "err_type": None}
@@ -61,7 +67,7 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True)
 class SimulatorConfig:
-    """Everything that shapes the simulated server (the CLI flags of `python -m gateway.simulator`)."""
+    """Everything that shapes the simulated server (the CLI flags of `python -m sglang_sim`)."""
 
     num_layers: int = 4
     topk: int = 2
@@ -140,6 +146,15 @@ class Plan:
     @property
     def n(self) -> int:
         return len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The rest of an answer aborted after some of its tokens, waiting for the request that resumes it."""
+
+    output_ids: np.ndarray  # int64
+    logprobs: np.ndarray  # float64
+    finish: dict[str, Any]  # how the whole answer would have ended
 
 
 @dataclass(frozen=True)
@@ -460,6 +475,8 @@ class Engine:
         self.weight_version = config.weight_version  # mutable: /sim/weight_version simulates weight updates
         self.pending_update: WeightUpdate | None = None  # one set to land inside the next answer
         self.cache = PrefixCache()
+        # aborted answers' rests, by the sequence a resuming request sends (the oldest dropped past the bound)
+        self.continuations: OrderedDict[bytes, Continuation] = OrderedDict()
         words = self._words = self.vocab.words
         self._word_lens = np.fromiter((len(w) for w in words), dtype=np.int64, count=len(words))
         # The same with special tokens spelled out (skip_special_tokens false), made once.
@@ -479,13 +496,42 @@ class Engine:
 
     # -- planning
 
-    def start(self, item: GenItem, script: ScriptedAnswer | None = None) -> Generation:
-        """The request in flight: random tokens, or `script`'s tokens when one is given."""
+    def start(
+        self, item: GenItem, script: ScriptedAnswer | None = None, continuation: Continuation | None = None
+    ) -> Generation:
+        """The request in flight: random tokens, `script`'s tokens when one is given, or the rest of an aborted
+        answer that this request resumes (`take_continuation`)."""
         version, switch = self.weight_version, self.pending_update
         if switch is not None:  # this answer carries the update: the ones after it run on the new weights
             self.pending_update = None
             self.weight_version = switch.version
-        return Generation(self, item, self.plan(item, script), self.cache.lookup(item.input_ids), version, switch)
+        plan = self.plan(item, script) if continuation is None else self.plan_continuation(item, continuation)
+        return Generation(self, item, plan, self.cache.lookup(item.input_ids), version, switch)
+
+    def take_continuation(self, item: GenItem) -> Continuation | None:
+        """The rest of the aborted answer whose prompt and tokens so far are exactly this request's input, if any."""
+        return self.continuations.pop(_sequence_key(item.input_ids), None)
+
+    def note_abort(self, gen: Generation, m: int) -> None:
+        """`gen` was aborted after `m` of its tokens: keep the rest for the request that resumes it."""
+        if m >= gen.n:
+            return
+        plan = gen.plan
+        key = _sequence_key(np.concatenate([gen.item.input_ids, plan.output_ids[:m]]))
+        self.continuations[key] = Continuation(plan.output_ids[m:].copy(), plan.logprobs[m:].copy(), plan.finish)
+        while len(self.continuations) > MAX_CONTINUATIONS:
+            self.continuations.popitem(last=False)
+
+    def plan_continuation(self, item: GenItem, continuation: Continuation) -> Plan:
+        """The rest of an aborted answer, cut to this request's max_new_tokens (a "length" finish then)."""
+        ids, logprobs, cap = continuation.output_ids, continuation.logprobs, item.max_new_tokens
+        finish = continuation.finish
+        if len(ids) > cap:
+            ids, logprobs, finish = ids[:cap], logprobs[:cap], {"type": "length", "length": cap}
+        elif finish.get("type") == "length":
+            finish = {"type": "length", "length": cap}
+        entropy = (self.config.seed % _U64, ids_crc32(item.input_ids), item.sampling_seed % _U64)
+        return _stopped_early(item, Plan(ids.copy(), logprobs.copy(), finish, entropy))
 
     def update_weights(self, update: WeightUpdate) -> None:
         """Apply `/sim/weight_version`: now, or inside the next answer (see `WeightUpdate`)."""
@@ -501,13 +547,7 @@ class Engine:
         tokens, finish = self._draw(item, rng) if script is None else scripted_tokens(item, script)
         scale = max(item.temperature, 0.05)
         logprobs = -(rng.exponential(scale, size=len(tokens)) + 1e-4)
-        if item.stop_token_ids and len(tokens):
-            hits = np.flatnonzero(np.isin(tokens, np.array(item.stop_token_ids, dtype=np.int64)))
-            if hits.size:
-                n = int(hits[0]) + 1
-                tokens, logprobs = tokens[:n], logprobs[:n]
-                finish = {"type": "stop", "matched": int(tokens[-1])}
-        return Plan(tokens, logprobs, finish, entropy)
+        return _stopped_early(item, Plan(tokens, logprobs, finish, entropy))
 
     def _draw(self, item: GenItem, rng: np.random.Generator) -> tuple[np.ndarray, dict[str, Any]]:
         """Random tokens: a random length up to max_new_tokens, ending with eos when shorter than that."""
@@ -559,6 +599,22 @@ class Engine:
         return "".join([words[i] for i in ids])
 
 
+def _stopped_early(item: GenItem, plan: Plan) -> Plan:
+    """The plan ended at its first stop token id (`stop_token_ids`), if it has one."""
+    tokens = plan.output_ids
+    if not item.stop_token_ids or not len(tokens):
+        return plan
+    hits = np.flatnonzero(np.isin(tokens, np.array(item.stop_token_ids, dtype=np.int64)))
+    if not hits.size:
+        return plan
+    n = int(hits[0]) + 1
+    return Plan(tokens[:n], plan.logprobs[:n], {"type": "stop", "matched": int(tokens[n - 1])}, plan.entropy)
+
+
+def _sequence_key(ids: np.ndarray) -> bytes:
+    return np.ascontiguousarray(ids, dtype="<i8").tobytes()
+
+
 def scripted_tokens(item: GenItem, script: ScriptedAnswer) -> tuple[np.ndarray, dict[str, Any]]:
     """A scripted answer's tokens and finish, as SGLang would end them: its eos within max_new_tokens stops it
     (SGLang checks stop tokens before the length); otherwise reaching max_new_tokens is a "length" finish (the
@@ -588,6 +644,9 @@ class Generation:
     weight_version: str  # the version it started on
     switch: WeightUpdate | None = None  # an update landing after `switch.after_tokens` generated tokens
     distortion: Distortion = NO_DISTORTION
+    retractions: int = 0  # times a `retract` pause took it back to the queue (meta_info.num_retractions)
+    # (first generated position, version) of each version its tokens come from, in order
+    _versions: list[tuple[int, str]] = field(default_factory=list, init=False, repr=False)
     _ids: list[int] = field(default_factory=list, init=False, repr=False)
     _text: str | None = field(default=None, init=False, repr=False)
     _text_ends: np.ndarray | None = field(default=None, init=False, repr=False)
@@ -597,6 +656,23 @@ class Generation:
 
     def __post_init__(self) -> None:
         self._ids = self.plan.output_ids.tolist()
+        self._versions = [(0, self.weight_version)]
+        if self.switch is not None:
+            self._switch_at(self.switch.after_tokens, self.switch.version)
+
+    def continue_on(self, m: int, version: str) -> None:
+        """It goes on after `m` generated tokens on the weights `version` (after a pause that a weight update may
+        have landed in)."""
+        self._switch_at(m, version)
+
+    def _switch_at(self, position: int, version: str) -> None:
+        versions = self._versions
+        while versions and versions[-1][0] >= position and len(versions) > 1:
+            versions.pop()  # a later switch at or before an earlier one's position replaces it
+        if versions[-1][0] >= position:
+            versions[-1] = (versions[-1][0], version)
+        elif versions[-1][1] != version:
+            versions.append((position, version))
 
     @property
     def n(self) -> int:
@@ -655,21 +731,20 @@ class Generation:
     def version_at(self, m: int) -> str:
         """`weight_version` after `m` generated tokens: the version of the newest one (of the first one to come
         while there is none), as SGLang reports the server's version when it sends a chunk."""
-        switch = self.switch
-        if switch is not None and max(m - 1, 0) >= switch.after_tokens:
-            return switch.version
-        return self.weight_version
+        newest = max(m - 1, 0)
+        return next(version for start, version in reversed(self._versions) if start <= newest)
 
     def version_spans(self, m: int) -> list[dict[str, Any]]:
         """`weight_versions` after `m` generated tokens, as SGLang builds them: contiguous from 0, one per version,
         and a single empty span when there is no token yet."""
-        k = None if self.switch is None else self.switch.after_tokens
-        if k is None or not 0 < k < m:  # the whole answer so far on one version
-            spans = [{"version": self.version_at(m), "start": 0, "end": m}]
+        if not m:
+            spans = [{"version": self.version_at(0), "start": 0, "end": 0}]
         else:
+            ends = [start for start, _ in self._versions[1:]] + [m]
             spans = [
-                {"version": self.weight_version, "start": 0, "end": k},
-                {"version": self.version_at(m), "start": k, "end": m},
+                {"version": version, "start": start, "end": min(end, m)}
+                for (start, version), end in zip(self._versions, ends, strict=True)
+                if start < m
             ]
         if self.distortion.garble_weight_versions:
             spans[-1]["end"] += 1
@@ -685,7 +760,7 @@ class Generation:
             "finish_reason": finish,
             "prompt_tokens": self.item.prompt_len,
             "weight_version": self.version_at(m),
-            "num_retractions": 0,
+            "num_retractions": self.retractions,
             "reasoning_tokens": 0,
             "completion_tokens": m,
             "cached_tokens": cached,
