@@ -215,6 +215,9 @@ class AgentFinishShape:
     raw_repeat: int = 3
     rollout_turns: int = 16
     rollouts: int = 2
+
+
+@dataclass(frozen=True, slots=True)
 class ResumeTurnShape:
     """Row 20: one big MoE turn that the engine aborts half-way and the gateway resumes, against the same turn
     uninterrupted; unary and streamed."""
