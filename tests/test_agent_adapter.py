@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import openai
 import pytest
 from chat_checks import CALL_TEXT, FINAL_TEXT, WEATHER_TOOL, script
 from conftest import SIM_LAYERS, SIM_TOPK, Service
@@ -166,9 +167,12 @@ async def test_finish_drains_a_turn_that_is_still_running(chat_gateway: Service,
         samples = await adapter.finish_session(sid, base_sample=Sample(index=1), wait_timeout=0.2)
         check_fan_out(samples, R3)
         assert len(samples) == 1  # the aborted side turn brought no trained token
-        answer = await late  # the client gets the aborted turn's answer: empty, the gateway says why
-        assert answer.usage.completion_tokens == 0
-        assert answer.model_extra["gateway"]["finish_reason"] == {"type": "abort", "message": "session closed"}
+        # The client gets an honest error, never the aborted turn's empty reply taken for an answer (a 503 its
+        # client would retry; the session is closed, so the retry is refused).
+        with pytest.raises(openai.InternalServerError) as aborted:
+            await late
+        assert aborted.value.status_code == 503 and aborted.value.body["code"] == "turn_aborted", aborted.value.body
+        assert "session closed" in aborted.value.body["message"]
     finally:
         httpx.delete(f"{chat_sim.url}/sim/faults")
         await client.close()
