@@ -92,7 +92,7 @@ def run(ctx: Context) -> RowResult:
         return f"{table[f'{mode} uninterrupted']:.{digits}f} / {table[f'{mode} resumed']:.{digits}f} ms"
 
     return RowResult(
-        number=19,
+        number=20,
         name=NAME,
         measured=(
             f"gateway CPU per turn, uninterrupted / resumed once: unary {pair(cpu, 'unary')} ({unary:.2f}x), "
