@@ -15,14 +15,12 @@ from typing import Any
 
 from gateway.metrics import GatewayMetrics
 from gateway.store import Session, SessionStore
-from gateway.turns import ABORT_GRACE_S
+from gateway.turns import ABORT_SETTLE_S, abort_turns
 
 CLOSE_ABORT_REASON = "session closed"
 # How often the drain looks again whether the session is idle: a turn ends (and releases its branch) in steps that
 # signal nothing a waiter can hold (the chat reply is recorded after the model turn's end).
 POLL_S = 0.02
-# After aborting: how long the aborted turns get to fold what they have and let go of their branches.
-SETTLE_S = ABORT_GRACE_S + 2.0
 
 
 @dataclass
@@ -54,12 +52,10 @@ async def close_session(
     drain = Drain()
     idle = await _wait_idle(store, session, started + wait_timeout_s)
     if not idle:
-        running = [branch.running for branch in session.branches if branch.running is not None]
-        for turn in running:
-            turn.abort(CLOSE_ABORT_REASON)
+        running = session.running_turns()
         drain.aborted = [turn.rid for turn in running]
-        await asyncio.gather(*(turn.wait(SETTLE_S) for turn in running))
-        idle = await _wait_idle(store, session, time.monotonic() + SETTLE_S)
+        await abort_turns(running, CLOSE_ABORT_REASON)
+        idle = await _wait_idle(store, session, time.monotonic() + ABORT_SETTLE_S)
     drain.waited_s = time.monotonic() - started
     drain.busy = not idle
     if not idle:

@@ -146,6 +146,10 @@ class Session:
     def index(self, branch: Branch) -> int:
         return next(i for i, known in enumerate(self.branches) if known is branch)
 
+    def running_turns(self) -> list[RunningTurn]:
+        """The turns running on its branches in this process (a chat session's branches may each run one)."""
+        return [branch.running for branch in self.branches if branch.running is not None]
+
     def model_turns(self) -> int:
         """Model turns folded into any of its branches (each branch's turn log holds only its own)."""
         return sum(1 for branch in self.branches for turn in branch.sample.turns if turn.kind == "model")
@@ -474,7 +478,7 @@ class SessionStore:
             await self.release(trajectory)
 
     def running_turns(self) -> list[RunningTurn]:
-        return [b.running for s in self._sessions.values() for b in s.branches if b.running is not None]
+        return [turn for session in self._sessions.values() for turn in session.running_turns()]
 
     async def expire_idle(self, ttl_s: float, now: float | None = None) -> list[str]:
         """Drop sessions untouched for ``ttl_s`` (abandoned rollouts); a session with a turn running stays."""

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -60,6 +60,8 @@ TOP_P_FLAG = "return_top_p_token_ids"
 # After an abort, how long the upstream gets to end the stream itself (with its final chunk and replay data)
 # before the gateway closes the connection and folds what it has.
 ABORT_GRACE_S = 3.0
+# After aborting turns on this side: how long they get to fold what they have and let go of their branches.
+ABORT_SETTLE_S = ABORT_GRACE_S + 2.0
 # After a stream's final chunk, how long the rest of the body ([DONE], the last chunk of the framing) may take.
 STREAM_TAIL_S = 1.0
 # A resuming request the upstream refuses (unreachable, 503: not taking requests while its weights are updated) is
@@ -264,12 +266,9 @@ class TurnRunner:
         log.debug("session %s: +%d tokens (%s)", trajectory.session_id, turn.num_tokens, turn.finish_type)
         return FoldedTurn(summary, model_turn, tuple(trajectory.sample.weight_version_table), resumed, error)
 
-    def running_turns(self) -> list[RunningTurn]:
-        return self.store.running_turns()
-
     def abort_all(self, reason: str) -> list[RunningTurn]:
         """Abort every turn running in this process, at once (``abort_running_turns`` without the wait)."""
-        running = self.running_turns()
+        running = self.store.running_turns()
         for turn in running:
             turn.abort(reason)
         return running
@@ -279,7 +278,15 @@ class TurnRunner:
         its caller is told it was aborted (chat: 503 turn_aborted). Shutdown, the gateway-wide abort
         (``/abort_request`` with ``abort_all``) and, across replicas, whatever relays that abort call this; it returns
         once they have ended (or after ``timeout_s``)."""
-        await asyncio.gather(*(turn.wait(timeout_s) for turn in self.abort_all(reason)))
+        await abort_turns(self.store.running_turns(), reason, timeout_s)
+
+
+async def abort_turns(turns: Sequence[RunningTurn], reason: str, timeout_s: float = ABORT_SETTLE_S) -> bool:
+    """Abort ``turns`` (each folds what it has, marked aborted) and wait up to ``timeout_s`` for them to end;
+    whether every one did."""
+    for turn in turns:
+        turn.abort(reason)
+    return all(await asyncio.gather(*(turn.wait(timeout_s) for turn in turns)))
 
 
 def check_answer_belongs(submission: Submission, turn: DecodedTurn) -> None:

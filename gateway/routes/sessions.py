@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -31,11 +30,10 @@ from gateway.schemas import (
 )
 from gateway.state import GatewayState, StateDep
 from gateway.store import SessionLimits
-from gateway.turns import ABORT_GRACE_S, FoldedTurn
+from gateway.turns import FoldedTurn, abort_turns
 from gateway.views import full_view, group_payload, sample_payload, session_summary, session_view, turn_payload
 
 router = APIRouter(prefix="/v1", tags=["sessions"])
-ABORT_WAIT_S = ABORT_GRACE_S + 2.0
 FINISHED = frozenset({Status.COMPLETED, Status.TRUNCATED})  # slime never generates for these samples again
 
 
@@ -190,7 +188,7 @@ async def abort(session_id: str, state: StateDep) -> Response:
     """Abort the running turns (a chat session's branches may each run one); answers once they have ended (tokens so
     far folded in, status aborted)."""
     session = await state.store.get(session_id)
-    turns = [branch.running for branch in session.branches if branch.running is not None]
+    turns = session.running_turns()
     if not turns:
         elsewhere = await state.store.holder(session_id)
         if elsewhere is not None:  # a replica sharing the Redis store runs it: aborts go to the turn's owner
@@ -199,9 +197,7 @@ async def abort(session_id: str, state: StateDep) -> Response:
                 session_summary(session) | {"aborted": False, "detail": detail, "instance_id": elsewhere}
             )
         return json_response(session_summary(session) | {"aborted": False, "detail": "no turn running"})
-    for running in turns:
-        running.abort("abort requested by the caller")
-    finished = all(await asyncio.gather(*(running.wait(ABORT_WAIT_S) for running in turns)))
+    finished = await abort_turns(turns, "abort requested by the caller")
     rids = [running.rid for running in turns]
     return json_response(
         session_summary(session) | {"aborted": True, "rid": rids[0], "rids": rids, "finished": finished}
