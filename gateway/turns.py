@@ -430,6 +430,10 @@ class Turn:
                 await asyncio.wait_for(self._aborted.wait(), delay)
             delay = min(2 * delay, RESUME_RETRY_MAX_S)
 
+    def decode(self, answer: AnswerBytes) -> DecodedTurn:
+        """An answer (a unary one, a stream's final chunk) decoded for what this turn asked for."""
+        return decode_generate_response(answer, want_routing=self.plan.want_routing, want_top_p=self.plan.want_top_p)
+
     # ---- the end ---------------------------------------------------------------------------------------------------
     def ending_error(self, turn: DecodedTurn) -> GatewayError | None:
         """For a chat client: why this turn, ending with ``turn``'s finish, is not the model's answer."""
@@ -450,6 +454,15 @@ class Turn:
             reason="engine_abort",
             resumed=self.draft.resumed,
         )
+
+    def interrupted_by(self, error: GatewayError) -> None:
+        """The turn ends with ``error`` instead of its last answer: what its caller is told of it (``ending_error``),
+        the error itself when it says why the turn was not resumed, else, once an answer was kept, the resumption
+        that failed."""
+        if isinstance(error, TurnInterrupted):
+            self.interruption = error
+        elif self.draft.answers:
+            self.interruption = _resume_failed(error, self.draft.resumed)
 
     def fold_final(self, answer: DecodedTurn) -> FoldedTurn:
         """The turn's last answer came: fold it with the answers kept before it, as one turn."""
@@ -500,8 +513,7 @@ class UnaryTurn(Turn):
                 raise  # the first request failed: nothing changed, a plain error for the caller
             # A resumption failed: the answers kept are the turn (aborted, the error said), not thrown away.
             self.runner.metrics.record_error(error)
-            interrupted = error if isinstance(error, TurnInterrupted) else _resume_failed(error, self.draft.resumed)
-            self.interruption = interrupted
+            self.interrupted_by(error)
             return self.fold_kept(f"resuming failed: {error.message}")
         finally:
             self.call.cancel()  # a no-op once it is done; else the caller went away and the connection must close
@@ -519,13 +531,8 @@ class UnaryTurn(Turn):
         )
 
     async def _decoded(self, answer: Body) -> DecodedTurn:
-        plan = self.plan
         try:
-            turn = await self.runner.cpu.decode(
-                "answer",
-                len(answer),
-                lambda: decode_generate_response(answer, want_routing=plan.want_routing, want_top_p=plan.want_top_p),
-            )
+            turn = await self.runner.cpu.decode("answer", len(answer), lambda: self.decode(answer))
         finally:
             self.runner.upstream.recycle(answer)  # the decoded turn holds no view of the answer's bytes
         check_answer_belongs(self.submission, turn)
@@ -671,10 +678,7 @@ class StreamTurn(Turn):
             }
         except GatewayError as error:
             self.runner.metrics.record_error(error)
-            if self.draft.answers and not isinstance(error, TurnInterrupted):
-                self.interruption = _resume_failed(error, self.draft.resumed)
-            elif isinstance(error, TurnInterrupted):
-                self.interruption = error
+            self.interrupted_by(error)
             folded = self._fold_partial(error.message) if len(self.token_ids) or self.draft.answers else None
             turn = None if folded is None else folded.summary
             final = {"type": "error", "error": error.to_body()["error"], "turn": turn}
@@ -759,7 +763,7 @@ class StreamTurn(Turn):
 
     async def _on_chunk(self, payload: bytes) -> DecodedTurn | None:
         if self.decoder.is_final(payload):
-            turn = await self.runner.cpu.decode("stream_final", len(payload), lambda: self._decode_final(payload))
+            turn = await self.runner.cpu.decode("stream_final", len(payload), lambda: self.decode(payload))
             check_answer_belongs(self.submission, turn)
             self._take(self.decoder.final_delta(turn))
             return turn
@@ -793,9 +797,6 @@ class StreamTurn(Turn):
                 f"the upstream streamed for request {rid!r}, not for this turn's {self.submission.rid!r}",
                 reason="foreign_answer",
             )
-
-    def _decode_final(self, payload: bytes) -> DecodedTurn:
-        return decode_generate_response(payload, want_routing=self.plan.want_routing, want_top_p=self.plan.want_top_p)
 
     def _take(self, delta: StreamDelta) -> None:
         if not len(delta.token_ids) and not delta.text:
@@ -841,5 +842,5 @@ class StreamTurn(Turn):
 
     def _fold_failed(self, error: GatewayError) -> FoldedTurn:
         """A resumption's answer could not be used: the answers kept before it are the turn (aborted)."""
-        self.interruption = _resume_failed(error, self.draft.resumed)
+        self.interrupted_by(error)
         return self.fold_kept(f"resuming failed: {error.message}")
