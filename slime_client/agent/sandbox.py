@@ -25,10 +25,10 @@ import shutil
 import signal
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger("slime_client.agent")
 
@@ -76,28 +76,37 @@ class LocalSandbox:
         mounts: Sequence[Path] = (),
     ) -> ProcessResult:
         started = time.monotonic()
-        with open(log_path, "ab") as out:
-            process = await asyncio.create_subprocess_exec(
-                *command,
-                cwd=cwd,
-                env=dict(env),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,  # its own process group: the budget ends everything it started
-            )
+        # its own process group: the budget ends everything it started
+        process = await _start(command, log_path, cwd=cwd, env=dict(env), start_new_session=True)
         try:
-            async with asyncio.timeout(timeout_s):
-                code = await process.wait()
-        except TimeoutError:
-            await _end_group(process)
-            return ProcessResult(None, True, time.monotonic() - started)
-        except BaseException:  # cancelled: nothing may outlive the rollout
-            await asyncio.shield(_end_group(process))
-            raise
+            return await _wait_or_end(process, timeout_s, lambda: _end_group(process), started)
         finally:
             _kill_group(process.pid, signal.SIGKILL)  # what the CLI left behind in its group (background jobs)
-        return ProcessResult(code, False, time.monotonic() - started)
+
+
+async def _start(args: Sequence[str], log_path: Path, **options: Any) -> asyncio.subprocess.Process:
+    """``args`` started, no stdin, its stdout and stderr appended to ``log_path``."""
+    with open(log_path, "ab") as out:
+        return await asyncio.create_subprocess_exec(
+            *args, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT, **options
+        )
+
+
+async def _wait_or_end(
+    process: asyncio.subprocess.Process, timeout_s: float, end: Callable[[], Awaitable[None]], started: float
+) -> ProcessResult:
+    """The process's end, or ``timeout_s``: past it, or when the rollout is cancelled, ``end()`` ends everything it
+    started."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            code = await process.wait()
+    except TimeoutError:
+        await end()
+        return ProcessResult(None, True, time.monotonic() - started)
+    except BaseException:  # cancelled: nothing may outlive the rollout
+        await asyncio.shield(end())
+        raise
+    return ProcessResult(code, False, time.monotonic() - started)
 
 
 async def _end_group(process: asyncio.subprocess.Process) -> None:
@@ -183,20 +192,8 @@ class DockerSandbox:
         for key in ("PATH", "DOCKER_HOST", "DOCKER_CONFIG", "DOCKER_CONTEXT"):  # what the docker CLI itself needs
             if key in os.environ:
                 docker_env[key] = os.environ[key]
-        with open(log_path, "ab") as out:
-            process = await asyncio.create_subprocess_exec(
-                *args, env=docker_env, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT
-            )
-        try:
-            async with asyncio.timeout(timeout_s):
-                code = await process.wait()
-        except TimeoutError:
-            await self._kill(name, process)
-            return ProcessResult(None, True, time.monotonic() - started)
-        except BaseException:
-            await asyncio.shield(self._kill(name, process))
-            raise
-        return ProcessResult(code, False, time.monotonic() - started)
+        process = await _start(args, log_path, env=docker_env)
+        return await _wait_or_end(process, timeout_s, lambda: self._kill(name, process), started)
 
     async def _kill(self, name: str, process: asyncio.subprocess.Process) -> None:
         killer = await asyncio.create_subprocess_exec(
