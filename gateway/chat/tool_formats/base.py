@@ -224,9 +224,14 @@ def properties(tools: tuple[Tool, ...], name: str) -> dict[str, Any]:
     """The ``properties`` of the named tool's schema ({} when the tool or its properties are not there)."""
     for tool in tools:
         if tool.name == name:
-            found = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
-            return found if isinstance(found, dict) else {}
+            return tool_properties(tool)
     return {}
+
+
+def tool_properties(tool: Tool) -> dict[str, Any]:
+    """The ``properties`` of the tool's schema ({} when it has none)."""
+    found = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
+    return found if isinstance(found, dict) else {}
 
 
 def tool_call(call_id: str, name: Any, arguments: dict[str, Any]) -> ToolCall:
@@ -254,6 +259,29 @@ def expect_end(cursor: Cursor) -> None:
     cursor.skip_whitespace()
     if not cursor.at_end:
         raise Malformed("text after the calls")
+
+
+def read_sections(
+    cursor: Cursor, begin: str, end: str, read_call: Callable[[], ToolCall], *, repeated: bool = False
+) -> list[ToolCall]:
+    """The calls of a ``begin`` ... ``end`` section (at least one; whitespace around each is free), then the end of
+    the text; ``repeated``: several sections one after the other are one answer's calls. ``read_call`` reads one
+    call."""
+    calls: list[ToolCall] = []
+    while True:
+        cursor.expect(begin)
+        before = len(calls)
+        while True:
+            cursor.skip_whitespace()
+            if cursor.at(end) and len(calls) > before:
+                break
+            calls.append(read_call())
+        cursor.expect(end)
+        cursor.skip_whitespace()
+        if not (repeated and cursor.at(begin)):
+            break
+    expect_end(cursor)
+    return calls
 
 
 # ---- the format record ---------------------------------------------------------------------------------------------

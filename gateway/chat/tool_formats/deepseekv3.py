@@ -5,17 +5,12 @@ in a fenced JSON block: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜
 from __future__ import annotations
 
 from gateway.chat.messages import Tool, ToolCall
-from gateway.chat.tool_formats.base import Cursor, NewId, ToolCallFormat, expect_end, tag_name, tool_call
+from gateway.chat.tool_formats.base import Cursor, NewId, ToolCallFormat, read_sections, tag_name, tool_call
 from gateway.chat.tool_formats.deepseekv31 import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 
 
 def read(cursor: Cursor, tools: tuple[Tool, ...], new_id: NewId) -> list[ToolCall]:
-    cursor.expect(CALLS_BEGIN)
-    calls: list[ToolCall] = []
-    while True:
-        cursor.skip_whitespace()
-        if cursor.at(CALLS_END) and calls:
-            break
+    def call() -> ToolCall:
         cursor.expect(CALL_BEGIN)
         cursor.expect("function")
         cursor.expect(SEP)
@@ -27,10 +22,9 @@ def read(cursor: Cursor, tools: tuple[Tool, ...], new_id: NewId) -> list[ToolCal
         cursor.expect("```")
         cursor.skip_whitespace()
         cursor.expect(CALL_END)
-        calls.append(tool_call(new_id(), name, arguments))
-    cursor.expect(CALLS_END)
-    expect_end(cursor)
-    return calls
+        return tool_call(new_id(), name, arguments)
+
+    return read_sections(cursor, CALLS_BEGIN, CALLS_END, call)
 
 
 FORMAT = ToolCallFormat("deepseekv3", CALLS_BEGIN, read, markers=(CALLS_END, CALL_BEGIN, SEP, CALL_END))

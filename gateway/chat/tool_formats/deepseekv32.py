@@ -21,7 +21,7 @@ from gateway.chat.tool_formats.base import (
     Malformed,
     NewId,
     ToolCallFormat,
-    expect_end,
+    read_sections,
     strict_json,
     tag_name,
     tool_call,
@@ -83,17 +83,11 @@ def _invoke(cursor: Cursor) -> tuple[str, dict[str, Any]]:
 
 
 def read(cursor: Cursor, tools: tuple[Tool, ...], new_id: NewId) -> list[ToolCall]:
-    cursor.expect(CALLS_BEGIN)
-    calls: list[ToolCall] = []
-    while True:
-        cursor.skip_whitespace()
-        if cursor.at(CALLS_END) and calls:
-            break
+    def call() -> ToolCall:
         name, arguments = _invoke(cursor)
-        calls.append(tool_call(new_id(), name, arguments))
-    cursor.expect(CALLS_END)
-    expect_end(cursor)
-    return calls
+        return tool_call(new_id(), name, arguments)
+
+    return read_sections(cursor, CALLS_BEGIN, CALLS_END, call)
 
 
 FORMAT = ToolCallFormat(

@@ -14,7 +14,15 @@ import re
 from typing import Any
 
 from gateway.chat.messages import Tool, ToolCall
-from gateway.chat.tool_formats.base import Cursor, Malformed, NewId, ToolCallFormat, expect_end, tool_call
+from gateway.chat.tool_formats.base import (
+    Cursor,
+    Malformed,
+    NewId,
+    ToolCallFormat,
+    read_sections,
+    tool_call,
+    tool_properties,
+)
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -34,41 +42,27 @@ def function_name(call_id: str, arguments: dict[str, Any], tools: tuple[Tool, ..
         raise Malformed(f"not a Kimi call id: {call_id[:60]!r}")
     if len(tools) == 1:
         return tools[0].name
-    fitting = [t.name for t in tools if arguments and set(arguments) <= set(_schema_keys(t))]
+    fitting = [t.name for t in tools if arguments and set(arguments) <= set(tool_properties(t))]
     if len(fitting) != 1:
         raise Malformed(f"call id {call_id[:60]!r} names no function and {len(fitting)} tools fit its arguments")
     return fitting[0]
 
 
-def _schema_keys(tool: Tool) -> list[str]:
-    found = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
-    return list(found) if isinstance(found, dict) else []
-
-
 def read(cursor: Cursor, tools: tuple[Tool, ...], new_id: NewId) -> list[ToolCall]:
-    calls: list[ToolCall] = []
-    while True:
-        cursor.expect(SECTION_BEGIN)
-        in_section = 0
-        while True:
-            cursor.skip_whitespace()
-            if cursor.at(SECTION_END) and in_section:
-                break
-            cursor.expect(CALL_BEGIN)
-            call_id = cursor.until(ARGUMENT_BEGIN).strip()
-            if any(c.id == call_id for c in calls):
-                raise Malformed(f"call id {call_id!r} twice")
-            arguments = cursor.json_object()
-            cursor.skip_whitespace()
-            cursor.expect(CALL_END)
-            calls.append(tool_call(call_id, function_name(call_id, arguments, tools), arguments))
-            in_section += 1
-        cursor.expect(SECTION_END)
+    seen: set[str] = set()
+
+    def call() -> ToolCall:
+        cursor.expect(CALL_BEGIN)
+        call_id = cursor.until(ARGUMENT_BEGIN).strip()
+        if call_id in seen:
+            raise Malformed(f"call id {call_id!r} twice")
+        seen.add(call_id)
+        arguments = cursor.json_object()
         cursor.skip_whitespace()
-        if not cursor.at(SECTION_BEGIN):
-            break
-    expect_end(cursor)
-    return calls
+        cursor.expect(CALL_END)
+        return tool_call(call_id, function_name(call_id, arguments, tools), arguments)
+
+    return read_sections(cursor, SECTION_BEGIN, SECTION_END, call, repeated=True)
 
 
 FORMAT = ToolCallFormat("kimi_k2", SECTION_BEGIN, read, markers=(SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END))

@@ -19,8 +19,8 @@ from gateway.chat.tool_formats.base import (
     Malformed,
     NewId,
     ToolCallFormat,
-    expect_end,
     properties,
+    read_sections,
     strip_one_newline,
     tag_name,
     tool_call,
@@ -54,23 +54,11 @@ def _invoke(cursor: Cursor, tools: tuple[Tool, ...]) -> tuple[str, dict[str, Any
 
 
 def read(cursor: Cursor, tools: tuple[Tool, ...], new_id: NewId) -> list[ToolCall]:
-    calls: list[ToolCall] = []
-    while True:
-        cursor.expect(CALLS_BEGIN)
-        in_block = 0
-        while True:
-            cursor.skip_whitespace()
-            if cursor.at(CALLS_END) and in_block:
-                break
-            name, arguments = _invoke(cursor, tools)
-            calls.append(tool_call(new_id(), name, arguments))
-            in_block += 1
-        cursor.expect(CALLS_END)
-        cursor.skip_whitespace()
-        if not cursor.at(CALLS_BEGIN):
-            break
-    expect_end(cursor)
-    return calls
+    def call() -> ToolCall:
+        name, arguments = _invoke(cursor, tools)
+        return tool_call(new_id(), name, arguments)
+
+    return read_sections(cursor, CALLS_BEGIN, CALLS_END, call, repeated=True)
 
 
 FORMAT = ToolCallFormat(
