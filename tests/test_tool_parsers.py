@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from gateway.chat.messages import ChatMessage, Tool
 from gateway.chat.service import ReplySplitter
 from gateway.chat.tool_formats.base import schema_types, typed_value
-from gateway.chat.tool_parsers import ALIASES, FORMATS, PARSERS, STREAM_SPLITTERS, ParsedCompletion
+from gateway.chat.tool_parsers import ALIASES, FORMATS, ParsedCompletion
 from gateway.config import Settings
 from sglang_sim.tiny_tokenizer import TOOL_FORMATS
 
@@ -89,7 +89,7 @@ def written(fmt: str, content: str, calls: list[tuple[str, dict[str, Any]]], ids
 
 
 def parse(fmt: str, text: str, tools: tuple[Tool, ...] = TOOLS) -> ParsedCompletion:
-    return PARSERS[fmt](text, tools)
+    return FORMATS[fmt].parse(text, tools)
 
 
 def arguments(parsed: ParsedCompletion) -> list[tuple[str, Any]]:
@@ -134,7 +134,7 @@ CASES = {
 def test_every_format_is_a_setting() -> None:
     annotation = Settings.model_fields["chat_tool_parser"].annotation
     assert set(typing.get_args(annotation)) == set(FORMATS) | set(ALIASES)
-    assert set(PARSERS) == set(STREAM_SPLITTERS) == set(TOOL_FORMATS) == set(FORMATS)
+    assert set(TOOL_FORMATS) == set(FORMATS)
     assert set(NAMES) == {
         "hermes",
         "qwen3_coder",
@@ -575,7 +575,7 @@ def test_random_text_never_breaks_a_parser(fmt: str, text: str) -> None:
 def stream(fmt: str, text: str, cuts: list[int]) -> tuple[list[str], str, ParsedCompletion]:
     """Feed ``text`` cut at ``cuts`` through the service's splitter (no reasoning parser); the content pieces sent
     while it arrives, what ``finish`` sends, the unary parse."""
-    splitter = ReplySplitter(None, STREAM_SPLITTERS[fmt]())
+    splitter = ReplySplitter(None, FORMATS[fmt].splitter())
     bounds = [0, *sorted(set(cuts)), len(text)]
     sent = []
     for a, b in itertools.pairwise(bounds):
@@ -628,7 +628,7 @@ def test_streaming_one_character_at_a_time(fmt: str) -> None:
 def test_a_long_stream_is_not_quadratic() -> None:
     """One piece at a time over a long answer: each feed looks at the new piece (and what was held back), not the
     whole text again (a quadratic splitter takes minutes here)."""
-    splitter = STREAM_SPLITTERS["hermes"]()
+    splitter = FORMATS["hermes"].splitter()
     word = "token "
     sent = sum(len(splitter.feed(word)) for _ in range(400_000))
     assert sent == len(word) * 400_000 - 1  # the last space held back until more text comes

@@ -12,8 +12,6 @@ schema. SGLang's own test cases run against them as data (``tests/fixtures/sglan
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from gateway.chat.reasoning_formats.base import ReasoningFormat
 from gateway.chat.tool_formats import (
     deepseekv3,
@@ -31,7 +29,6 @@ from gateway.chat.tool_formats.base import (
     ParsedCompletion,
     ToolCallFormat,
     ToolCallStreamSplitter,
-    ToolParser,
     new_tool_call_id,
     partial_marker_length,
 )
@@ -54,9 +51,6 @@ FORMATS: dict[str, ToolCallFormat] = {
 # SGLang's other names for the same formats.
 ALIASES: dict[str, str] = {"qwen": "hermes", "qwen25": "hermes", "glm": "glm45"}
 NAMES: tuple[str, ...] = (*FORMATS, *ALIASES)  # what GATEWAY_CHAT_TOOL_PARSER accepts
-
-PARSERS: dict[str, ToolParser] = {name: f.parse for name, f in FORMATS.items()}
-STREAM_SPLITTERS: dict[str, Callable[[], ToolCallStreamSplitter]] = {name: f.splitter for name, f in FORMATS.items()}
 
 
 def pairing_error(tools: ToolCallFormat, reasoning: ReasoningFormat | None) -> str | None:
@@ -88,8 +82,6 @@ __all__ = [
     "ALIASES",
     "FORMATS",
     "NAMES",
-    "PARSERS",
-    "STREAM_SPLITTERS",
     "ParsedCompletion",
     "ToolCallFormat",
     "ToolCallStreamSplitter",

@@ -43,7 +43,6 @@ def new_tool_call_id() -> str:
 
 
 NewId = Callable[[], str]
-ToolParser = Callable[[str, tuple[Tool, ...]], ParsedCompletion]
 
 
 class Malformed(ValueError):
