@@ -1,57 +1,22 @@
 """slime's ``Sample`` and the checks its trainer makes on a fan-out, in the tests' own words (slime is not on the
 package registry, and nothing here may import it).
 
-``Sample`` has the fields and the ``Status`` values of slime's ``slime/utils/types.py`` that an agent rollout fills or
-slime reads back; ``check_fan_out`` asserts what slime asserts before it trains on a generate function's
-``list[Sample]`` (``slime.observability.rollout_data_utils.validate_rollout_id_annotated`` and the per-sample checks
-of ``slime.ray.rollout``'s conversion to train data, R3 and top-p replay included).
+``Sample`` (``bench.reference.Sample``, the one stand-in) has the fields and the ``Status`` values of slime's
+``slime/utils/types.py`` that an agent rollout fills or slime reads back; ``check_fan_out`` asserts what slime asserts
+before it trains on a generate function's ``list[Sample]``
+(``slime.observability.rollout_data_utils.validate_rollout_id_annotated`` and the per-sample checks of
+``slime.ray.rollout``'s conversion to train data, R3 and top-p replay included).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
+from bench.reference import Sample
 
-@dataclass
-class Sample:
-    group_index: int | None = None
-    index: int | None = None
-    rollout_id: int | None = None
-    prompt: str | list[dict[str, str]] = ""
-    tokens: list[int] = field(default_factory=list)
-    response: str = ""
-    response_length: int = 0
-    label: str | None = None
-    reward: float | dict[str, Any] | None = None
-    loss_mask: list[int] | None = None
-    weight_versions: list[str] = field(default_factory=list)
-    rollout_log_probs: list[float] | None = None
-    rollout_top_p_token_ids: list[int] | torch.Tensor | None = None
-    rollout_top_p_token_offsets: list[int] | torch.Tensor | None = None
-    rollout_routed_experts: list[list[int]] | torch.Tensor | None = None
-    remove_sample: bool = False
-
-    class Status(Enum):
-        PENDING = "pending"
-        COMPLETED = "completed"
-        TRUNCATED = "truncated"
-        ABORTED = "aborted"
-        FAILED = "failed"
-
-    status: Status = Status.PENDING
-    metadata: dict = field(default_factory=dict)
-    session_id: str | None = None
-
-    @dataclass
-    class PrefixCacheInfo:
-        cached_tokens: int = 0
-        total_prompt_tokens: int = 0
-
-    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
+__all__ = ["Sample", "TrainArgs", "check_fan_out", "check_sample"]
 
 
 @dataclass(frozen=True)

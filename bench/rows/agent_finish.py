@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 import uvloop
 
 from bench.core import Check, Context, RowResult, log, ratio
+from bench.reference import Sample
 from bench.services import REPO_ROOT, child_env, read_body
 from slime_client import GatewayClient
 from slime_client.agent import GatewayAdapter, branches_to_samples, close_runtimes, generate
@@ -58,30 +58,6 @@ TOOLS = [
     )
 ]
 _CODE = "def add(a, b):\n    return a + b  # the sum of two numbers, as the tests of module {n} expect\n"
-
-
-@dataclass
-class Sample:
-    """slime's ``Sample``, the fields a rollout fills (slime itself is not importable here)."""
-
-    index: int | None = None
-    group_index: int | None = None
-    rollout_id: int | None = None
-    prompt: str = ""
-    tokens: list[int] = field(default_factory=list)
-    response: str = ""
-    response_length: int = 0
-    reward: Any = None
-    loss_mask: list[int] | None = None
-    weight_versions: list[str] = field(default_factory=list)
-    rollout_log_probs: list[float] | None = None
-    rollout_top_p_token_ids: Any = None
-    rollout_top_p_token_offsets: Any = None
-    rollout_routed_experts: Any = None
-    remove_sample: bool = False
-    status: str = "pending"
-    metadata: dict = field(default_factory=dict)
-    session_id: str | None = None
 
 
 def call_text(turn: int) -> str:
