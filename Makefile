@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # CUDA build. Only the client SDK and its tests use torch; the gateway itself needs none.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test lint format demo bench clean routers redis haproxy chromium harnesses test-sglang test-chaos
+.PHONY: install test lint format demo bench clean routers redis haproxy chromium harnesses test-sglang test-chaos docs
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,13 @@ test-sglang: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pre-commit validate-config
+
+# The documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link or anchor, a page left out of the
+# nav or a setting without a description fails it (tests/test_docs.py builds it the same way in `make test`).
+# NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2, printed on every build, says nothing about this site.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 format: install
 	$(VENV)/bin/ruff format .
@@ -95,13 +102,14 @@ bench: install
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info site
 
 # ---- the sidecar image (docker/) ----------------------------------------------------------------------------------
 # `make image`: wheels into docker/.wheels (so the image build needs no network), resolved for the image's own
 # interpreter (docker/wheels.sh), then the image.
 # `make test-docker`: the opt-in Docker tier (not part of `make test`): a Docker engine (scripts/docker_engine.sh
-# installs and starts one on machines without a daemon or Docker Hub), the image, then tests/test_docker.py.
+# installs and starts one on machines without a daemon or Docker Hub), the image, then tests/test_docker.py and the
+# agent rollouts' Docker sandbox (tests/test_agent_docker_sandbox.py: Claude Code and Codex in containers).
 IMAGE ?= slime-gateway:latest
 LOCAL_BASE_IMAGE ?= local/debian-python:bookworm
 # python:3.11-slim (pulled if need be); on a machine without Docker Hub, the debootstrap-built local base when it
@@ -126,5 +134,5 @@ image: install
 test-docker: install
 	bash scripts/docker_engine.sh up
 	$(MAKE) --no-print-directory image
-	@echo "==> test-docker: pytest -m docker tests/test_docker.py (image $(IMAGE))"
-	GATEWAY_IMAGE=$(IMAGE) $(PY) -m pytest -v -s -m docker tests/test_docker.py
+	@echo "==> test-docker: pytest -m docker tests/test_docker.py tests/test_agent_docker_sandbox.py (image $(IMAGE))"
+	GATEWAY_IMAGE=$(IMAGE) $(PY) -m pytest -v -s -m docker tests/test_docker.py tests/test_agent_docker_sandbox.py

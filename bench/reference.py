@@ -130,7 +130,9 @@ class ReferenceSample:
 
 @dataclass
 class Sample:
-    """A faithful stand-in for slime's ``slime.utils.types.Sample``: the fields the slime drop-in touches."""
+    """A faithful stand-in for slime's ``slime.utils.types.Sample``: the fields and ``Status`` values the slime
+    drop-in and an agent rollout (``slime_client.agent``) fill or slime reads back (the benchmarks' and the tests'
+    one copy: slime itself is not importable here)."""
 
     class Status(enum.Enum):
         PENDING = "pending"
@@ -144,16 +146,22 @@ class Sample:
         cached_tokens: int = 0
         total_prompt_tokens: int = 0
 
+    group_index: int | None = None
+    index: int | None = None
+    rollout_id: int | None = None
     prompt: str | list[dict[str, str]] = ""
     tokens: list[int] = field(default_factory=list)
     response: str = ""
     response_length: int = 0
+    label: str | None = None
+    reward: float | dict[str, Any] | None = None
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
     rollout_routed_experts: Any = None
-    rollout_top_p_token_ids: torch.Tensor | None = None
-    rollout_top_p_token_offsets: torch.Tensor | None = None
+    rollout_top_p_token_ids: list[int] | torch.Tensor | None = None
+    rollout_top_p_token_offsets: list[int] | torch.Tensor | None = None
+    remove_sample: bool = False
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
     session_id: str | None = None

@@ -226,7 +226,7 @@ class Services:
     @property
     def simulator(self) -> ServerProcess:
         args = [*simulator_args(self.moe), "--stream-chunk-tokens", str(self.stream_chunk_tokens)]
-        return self._get("simulator", ["-m", "gateway.simulator", *args])
+        return self._get("simulator", ["-m", "sglang_sim", *args])
 
     @property
     def gateway(self) -> ServerProcess:
@@ -251,7 +251,7 @@ class Services:
         """A simulator speaking the tiny chat tokenizer, for rows whose model must write text the gateway parses
         (tool calls): its answers are scripted (``/sim/script``)."""
         args = [*simulator_args(self.moe), "--tokenizer", str(self.chat_tokenizer)]
-        return self._get("simulator (chat)", ["-m", "gateway.simulator", *args])
+        return self._get("simulator (chat)", ["-m", "sglang_sim", *args])
 
     @property
     def agent_gateway(self) -> ServerProcess:
@@ -266,12 +266,12 @@ class Services:
 
     @property
     def chat_tokenizer(self) -> Path:
-        """A tokenizer directory with a chat template (``gateway.simulator.tiny_tokenizer``), built once per run in
+        """A tokenizer directory with a chat template (``sglang_sim.tiny_tokenizer``), built once per run in
         a child process (transformers stays out of the bench process) into a temporary directory."""
         if self._tokenizer_dir is None:
             log("building the tiny chat tokenizer")
             directory = tempfile.TemporaryDirectory(prefix="bench-tokenizer-")
-            build = [sys.executable, "-m", "gateway.simulator.tiny_tokenizer", directory.name]
+            build = [sys.executable, "-m", "sglang_sim.tiny_tokenizer", directory.name]
             done = subprocess.run(build, cwd=REPO_ROOT, env=child_env(), capture_output=True, check=False)
             if done.returncode != 0:
                 directory.cleanup()

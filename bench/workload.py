@@ -1,6 +1,6 @@
 """The shapes every row runs on (full and ``--quick``) and the SGLang answers they are measured on.
 
-Answers come from the gateway's SGLang simulator (``gateway.simulator``), byte for byte what its ``/generate``
+Answers come from the gateway's SGLang simulator (``sglang_sim``), byte for byte what its ``/generate``
 sends: the same keys and encodings as SGLang 0.5 (docs/protocol.md sections 1-2), top-p kept sets of 1-20 ids, routing
 as base64 of int32 ``[prompt + response - 1, L, K]``.
 """
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from gateway.simulator.engine import Engine, GenItem, SimulatorConfig
+from sglang_sim.engine import Engine, GenItem, SimulatorConfig
 
 QWEN3_VOCAB = 151_936
 TOP_P_FLAG = {"custom_params": {"return_top_p_token_ids": True}}
@@ -202,6 +202,32 @@ class ClusterShape:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentFinishShape:
+    """Row 19: a Claude-Code-shaped session of ``main_turns`` + ``sub_turns`` turns (a main conversation and a
+    subagent's), ``sessions`` of them, each finished once (``finish_session`` consumes it); and ``rollouts`` whole
+    rollouts of ``rollout_turns`` model turns through ``generate``."""
+
+    main_turns: int = 56
+    sub_turns: int = 8
+    system_bytes: int = 30_000
+    tool_result_bytes: int = 2_300
+    sessions: int = 5
+    raw_repeat: int = 3
+    rollout_turns: int = 16
+    rollouts: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeTurnShape:
+    """Row 20: one big MoE turn that the engine aborts half-way and the gateway resumes, against the same turn
+    uninterrupted; unary and streamed."""
+
+    prompt_tokens: int = 2_048
+    response_tokens: int = 8_192
+    rounds: int = 6
+
+
+@dataclass(frozen=True, slots=True)
 class Suite:
     """Every size the rows use. ``FULL`` is the realistic shape; ``QUICK`` keeps the smoke test fast."""
 
@@ -223,6 +249,8 @@ class Suite:
     replicas: ReplicaShape
     agent_loop: AgentLoopShape = AgentLoopShape()
     cluster: ClusterShape = ClusterShape()
+    agent_finish: AgentFinishShape = AgentFinishShape()
+    resume_turn: ResumeTurnShape = ResumeTurnShape()
 
     @property
     def moe(self) -> MoE:
@@ -269,6 +297,10 @@ QUICK = Suite(
     replicas=ReplicaShape(sessions=4, loops=1, prompt_tokens=128, turn_tokens=128, tool_tokens=16, rounds=1),
     agent_loop=AgentLoopShape(turns=24, tool_result_bytes=512, window=4),
     cluster=ClusterShape(agents=4, sessions=1, turns=2, rounds=1),
+    agent_finish=AgentFinishShape(
+        main_turns=6, sub_turns=2, system_bytes=4_000, tool_result_bytes=500, sessions=1, raw_repeat=1, rollout_turns=3
+    ),
+    resume_turn=ResumeTurnShape(prompt_tokens=256, response_tokens=1_024, rounds=2),
 )
 
 
@@ -278,7 +310,7 @@ def simulator_config(moe: MoE, vocab: int = QWEN3_VOCAB, seed: int = 0) -> Simul
 
 
 def simulator_args(moe: MoE, vocab: int = QWEN3_VOCAB, seed: int = 0) -> list[str]:
-    """The same configuration as ``python -m gateway.simulator`` flags."""
+    """The same configuration as ``python -m sglang_sim`` flags."""
     return [
         *("--num-layers", str(moe.layers), "--topk", str(moe.topk), "--num-experts", str(moe.experts)),
         *("--vocab-size", str(vocab), "--seed", str(seed)),

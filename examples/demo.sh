@@ -2,7 +2,9 @@
 # `make demo`: the SGLang simulator + the gateway on 127.0.0.1, a multi-turn agent rollout through the SDK
 # (tool turns, routing + top-p replay), the curl view of the session; then an agent on the OpenAI chat API: a tiny
 # real tokenizer, a simulator and a gateway that both use it (--tokenizer), examples/chat_agent.py with scripted
-# answers (two tool calls, then the answer), the session with curl. Then everything is shut down.
+# answers (two tool calls, then the answer), the session with curl; then agent RL rollouts as slime runs them
+# (examples/agent_rl.py: slime_client.agent.generate, samples checked as slime's trainer checks them). Then everything
+# is shut down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -39,9 +41,9 @@ wait_healthy() {  # url name logfile [seconds]
 
 # The chat pair starts first, in the background: loading transformers takes a few seconds.
 echo "==> building a tiny chat tokenizer (byte-level BPE + a ChatML template with tools) into $TOKENIZER_DIR"
-"$PY" -m gateway.simulator.tiny_tokenizer "$TOKENIZER_DIR" >/dev/null
+"$PY" -m sglang_sim.tiny_tokenizer "$TOKENIZER_DIR" >/dev/null
 echo "==> starting a simulator ($CHAT_SIM) and a gateway ($CHAT_GW) with --tokenizer, for the chat routes"
-"$PY" -m gateway.simulator --port "$CHAT_SIM_PORT" --num-layers 4 --topk 2 --num-experts 8 --seed 0 \
+"$PY" -m sglang_sim --port "$CHAT_SIM_PORT" --num-layers 4 --topk 2 --num-experts 8 --seed 0 \
   --tokenizer "$TOKENIZER_DIR" >"$LOGS/chat-simulator.log" 2>&1 &
 pids+=($!)
 "$PY" -m gateway --upstream-url "$CHAT_SIM" --port "$CHAT_GW_PORT" --tokenizer "$TOKENIZER_DIR" \
@@ -49,7 +51,7 @@ pids+=($!)
 pids+=($!)
 
 echo "==> starting the SGLang simulator on $SIM (48-layer-like routing scaled down: 4 layers, top-2 of 8 experts)"
-"$PY" -m gateway.simulator --port "$SIM_PORT" --num-layers 4 --topk 2 --num-experts 8 --seed 0 \
+"$PY" -m sglang_sim --port "$SIM_PORT" --num-layers 4 --topk 2 --num-experts 8 --seed 0 \
   >"$LOGS/simulator.log" 2>&1 &
 pids+=($!)
 wait_healthy "$SIM" simulator "$LOGS/simulator.log"
@@ -89,6 +91,10 @@ curl -fsS "$CHAT_SIM/sim/script" -d '{"rid_prefix": "curl-chat-", "answers": [{"
   >/dev/null
 curl -fsS "$CHAT_GW/v1/sessions/curl-chat/chat/completions" \
   -d '{"model": "tiny", "max_tokens": 32, "messages": [{"role": "user", "content": "Say hello."}]}' | "$PY" -m json.tool
+
+echo "==> agent RL as slime runs it: examples/agent_rl.py calls slime_client.agent.generate for two samples of a task"
+echo "    (a git repo whose test fails; the agent fixes it with a shell tool; the reward is the task's test)"
+"$PY" examples/agent_rl.py --gateway "$CHAT_GW" --script-simulator "$CHAT_SIM" --samples 2
 
 # DEMO_KEEP=1 make demo: the processes stay up (for the inspector links above) until Ctrl-C.
 if [ -n "${DEMO_KEEP:-}" ]; then

@@ -17,7 +17,9 @@ from gateway.drain import Drain, DrainingServer
 from slime_wire.memory import keep_freed_memory
 
 
-def parse_args(argv: list[str] | None = None) -> dict[str, object]:
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line flags (a few settings; the rest are GATEWAY_* env vars). The settings reference in the docs
+    lists each setting's flag from here (scripts/docs_hooks.py)."""
     parser = argparse.ArgumentParser(prog="python -m gateway", description="slime-gateway: RL rollout gateway")
     parser.add_argument("--upstream-url", help="SGLang router/server URL (env GATEWAY_UPSTREAM_URL)")
     parser.add_argument("--host", help="listen address (env GATEWAY_HOST, default 127.0.0.1)")
@@ -35,7 +37,11 @@ def parse_args(argv: list[str] | None = None) -> dict[str, object]:
         "--tokenizer",
         help="the served model's tokenizer directory, for the OpenAI/Anthropic chat routes (env GATEWAY_TOKENIZER)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, object]:
+    args = build_parser().parse_args(argv)
     return {key: value for key, value in vars(args).items() if value is not None}
 
 

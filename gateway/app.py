@@ -7,7 +7,6 @@ import gc
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
@@ -27,11 +26,13 @@ from gateway.fleet import FleetListener
 from gateway.http_errors import InternalErrorMiddleware, error_response, from_http_exception
 from gateway.limits import RequestBodyLimitMiddleware
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.offload import CpuPool
 from gateway.responses import json_response
 from gateway.routes import chat, fleet, health, passthrough, sessions, ui
 from gateway.routes import metrics as metrics_route
 from gateway.state import GatewayState
 from gateway.store import SessionStore
+from gateway.turns import TurnRunner
 from gateway.upstream import Upstream
 
 log = logging.getLogger("gateway")
@@ -49,27 +50,23 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None, d
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         instance_id = uuid.uuid4().hex
-        state = GatewayState(
-            settings=settings,
-            upstream=Upstream(
-                settings.upstream_base,
-                timeout_s=settings.request_timeout_s,
-                connect_timeout_s=settings.connect_timeout_s,
-                pool_timeout_s=settings.pool_timeout_s,
-                max_connections=settings.max_connections,
-                keepalive_s=settings.upstream_keepalive_s,
-                metrics=metrics,
-                api_key=settings.upstream_key,
-            ),
-            store=make_store(settings, max_stored_bytes, instance_id),
-            cpu_pool=ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="gateway-decode"),
+        upstream = Upstream(
+            settings.upstream_base,
+            timeout_s=settings.request_timeout_s,
+            connect_timeout_s=settings.connect_timeout_s,
+            pool_timeout_s=settings.pool_timeout_s,
+            max_connections=settings.max_connections,
+            keepalive_s=settings.upstream_keepalive_s,
             metrics=metrics,
-            instance_id=instance_id,
-            drain=drain,
+            api_key=settings.upstream_key,
         )
+        store = make_store(settings, max_stored_bytes, instance_id)
+        cpu = CpuPool(settings.decode_threads, offload_bytes=settings.decode_offload_bytes, metrics=metrics)
+        runner = make_runner(settings, upstream, store, cpu, metrics)
+        state = GatewayState(settings, upstream, store, cpu, metrics, runner, instance_id=instance_id, drain=drain)
         await state.store.start()
         if settings.tokenizer is not None:
-            state.chat = await asyncio.to_thread(load_chat, settings)
+            state.chat = await asyncio.to_thread(load_chat, settings, runner)
         metrics.track_store(
             sessions=lambda: state.store.count,
             running=lambda: state.store.active,
@@ -119,8 +116,24 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None, d
     app.include_router(fleet.router)
     app.include_router(chat.router)
     app.include_router(ui.router)
-    openapi.install(app, settings)  # the document the routes describe (gateway.openapi)
+    # the document the routes describe (gateway.openapi), with the chat routes' msgspec requests and the passthrough's
+    openapi.install(app, settings, structs=chat.DOCUMENTED_REQUESTS, paths=passthrough.document_paths())
     return app
+
+
+def make_runner(
+    settings: Settings, upstream: Upstream, store: SessionStore, cpu: CpuPool, metrics: GatewayMetrics
+) -> TurnRunner:
+    """The one turn runner: the token routes and the chat service run their model turns through it."""
+    return TurnRunner(
+        upstream,
+        store,
+        cpu,
+        metrics,
+        incremental_routing=settings.incremental_routing,
+        resume_max=settings.resume_max,
+        deadline_s=settings.request_timeout_s,
+    )
 
 
 def make_store(settings: Settings, max_stored_bytes: int | None, instance_id: str) -> SessionStore:
@@ -151,7 +164,7 @@ def make_store(settings: Settings, max_stored_bytes: int | None, instance_id: st
 _NO_STATED_CONTEXT = 10**12
 
 
-def load_chat(settings: Settings) -> ChatService:
+def load_chat(settings: Settings, runner: TurnRunner) -> ChatService:
     """The chat routes' tokenizer and template (a bad directory stops the start: the operator asked for chat)."""
     assert settings.tokenizer is not None
     template = ChatTemplate.load(settings.tokenizer)
@@ -178,7 +191,7 @@ def load_chat(settings: Settings) -> ChatService:
         "unknown" if context is None else context,
         chosen.default_max_tokens or "the context left",
     )
-    return ChatService(template, chosen)
+    return ChatService(template, runner, chosen)
 
 
 async def _expire_idle_sessions(state: GatewayState) -> None:

@@ -7,8 +7,14 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AnyHttpUrl, Field, SecretStr, field_validator
+from pydantic import AnyHttpUrl, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gateway.chat import reasoning, tool_parsers
+
+# The accepted parser names come from the registries: adding a format adds its name here.
+ToolParserName = Literal[tool_parsers.NAMES]  # type: ignore[valid-type]
+ReasoningParserName = Literal[reasoning.NAMES]  # type: ignore[valid-type]
 
 
 class Settings(BaseSettings):
@@ -17,8 +23,12 @@ class Settings(BaseSettings):
 
     upstream_url: AnyHttpUrl = Field(description="SGLang router (or server) base URL, e.g. http://127.0.0.1:30000")
     host: str = Field("127.0.0.1", description="address to listen on")
-    port: int = Field(8000, ge=1, le=65535)
-    log_level: str = Field("info", pattern="^(critical|error|warning|info|debug)$")
+    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    log_level: str = Field(
+        "info",
+        pattern="^(critical|error|warning|info|debug)$",
+        description="critical, error, warning, info or debug (debug adds the access log)",
+    )
     request_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -42,7 +52,7 @@ class Settings(BaseSettings):
     decode_offload_bytes: int = Field(
         64 * 1024, ge=0, description="answers larger than this are decoded in a worker thread, off the event loop"
     )
-    decode_threads: int = Field(4, ge=1)
+    decode_threads: int = Field(4, ge=1, description="worker threads that decode large answers and parse big bodies")
     max_sessions: int = Field(1_000_000, ge=1, description="refuse new sessions beyond this many (429)")
     session_idle_ttl_s: float = Field(
         3600.0, ge=0, description="drop sessions untouched for this long (abandoned rollouts); 0 keeps them forever"
@@ -51,6 +61,14 @@ class Settings(BaseSettings):
         True,
         description="ask SGLang only for the routing rows the session lacks (routed_experts_start_len); turn off "
         "for an upstream that mishandles it, at the cost of re-sending the whole routing history every turn",
+    )
+    resume_max: int = Field(
+        8,
+        ge=0,
+        description="how many times one model turn is resubmitted when the engine aborts it mid-answer (a weight "
+        "update's pause): chat turns always, token-level turns that ask for it (resume). Past it, or past "
+        "request_timeout_s for the whole turn, a chat client gets 503 turn_interrupted and the session keeps what "
+        "was generated; 0: never resume",
     )
     shutdown_grace_s: int = Field(
         5,
@@ -162,18 +180,23 @@ class Settings(BaseSettings):
         description="the served model's Hugging Face tokenizer directory (with its chat template): enables the "
         "OpenAI and Anthropic chat routes; read locally, never downloaded",
     )
-    chat_tool_parser: Literal["hermes", "qwen3_coder", "glm45", "kimi_k2", "deepseekv31"] = Field(
+    chat_tool_parser: ToolParserName = Field(
         "hermes",
-        description="how tool calls are read from completions, by SGLang's --tool-call-parser name: hermes "
-        "(<tool_call>{json}</tool_call>), qwen3_coder (<tool_call><function=NAME><parameter=KEY>...), glm45 "
-        "(<tool_call>NAME<arg_key>...), kimi_k2 (<|tool_calls_section_begin|>...), deepseekv31 "
-        "(<｜tool▁calls▁begin｜>...)",
+        description="how tool calls are read from completions, by SGLang's --tool-call-parser name (the value slime "
+        "passes as --sglang-tool-call-parser): hermes (<tool_call>{json}</tool_call>; qwen25 and qwen too), "
+        "qwen3_coder (<tool_call><function=NAME><parameter=KEY>...), glm45 and glm47 (<tool_call>NAME<arg_key>...), "
+        "kimi_k2 (<|tool_calls_section_begin|>...), deepseekv3, deepseekv31 (<｜tool▁calls▁begin｜>...), deepseekv32 "
+        "(<｜DSML｜function_calls>...), minimax-m2 (<minimax:tool_call><invoke name=...>), gpt-oss (harmony's "
+        "commentary channel; needs the gpt-oss reasoning parser)",
     )
-    chat_reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = Field(
+    chat_reasoning_parser: ReasoningParserName = Field(
         "none",
-        description="how a reasoning model's <think>...</think> is read from completions, by SGLang's "
-        "--reasoning-parser name: returned as reasoning_content (OpenAI chat), thinking blocks (Anthropic), reasoning "
-        "items (Responses); none: the completion is all content",
+        description="how a reasoning model's reasoning is read from completions, by SGLang's --reasoning-parser name "
+        "(the value slime passes as --sglang-reasoning-parser): qwen3, qwen3-thinking, deepseek-r1 (deepseek_r1 "
+        "too), deepseek-v3, glm45, kimi_k2, minimax (<think>...</think>), minimax-append-think (the <think> kept in "
+        "the content), gpt-oss (harmony's analysis channel; needs the gpt-oss tool parser); returned as "
+        "reasoning_content (OpenAI chat), thinking blocks (Anthropic), reasoning items (Responses); none: the "
+        "completion is all content",
     )
     chat_rewrite_policy: Literal["append", "fork"] = Field(
         "append",
@@ -225,6 +248,15 @@ class Settings(BaseSettings):
     def _one_key(cls, value: SecretStr | None) -> SecretStr | None:
         key = _secret(value).strip()
         return SecretStr(_checked_key(key)) if key else None
+
+    @model_validator(mode="after")
+    def _parsers_go_together(self) -> Settings:
+        mismatch = tool_parsers.pairing_error(
+            tool_parsers.tool_format(self.chat_tool_parser), reasoning.reasoning_format(self.chat_reasoning_parser)
+        )
+        if mismatch is not None:
+            raise ValueError(mismatch)
+        return self
 
     @property
     def upstream_base(self) -> str:

@@ -16,14 +16,20 @@ base64, numpy) are translated into it at one boundary each, with ``raise ... fro
     │   ├── SessionExists               409 session_exists       create with an id already taken
     │   ├── SessionBusy                 409 session_busy         a turn is already running on it
     │   ├── SessionMismatch             409 session_mismatch     the session is not what the caller's ``sync`` says
-    │   └── HistoryMismatch             409 history_mismatch     a chat history that disagrees with the session's
+    │   ├── HistoryMismatch             409 history_mismatch     a chat history that disagrees with the session's
+    │   └── SessionClosed               409 session_closed       the session was closed (its samples being taken)
     ├── StoreUnavailable                503 store_unavailable    the shared session store (Redis) cannot be reached
+    ├── TurnInterrupted                 503 turn_interrupted     the engine aborted the turn (a weight update) and it
+    │                                                            was not resumed (GATEWAY_RESUME_MAX, the deadline)
+    ├── TurnAborted                     503 turn_aborted         the trainer ended the turn (the session's abort route,
+    │                                                            the gateway-wide abort, shutdown)
     ├── NotFound                        404 not_found            no route has this path
     ├── MethodNotAllowed                405 method_not_allowed   the path exists, not with this method (Allow header)
     ├── LimitExceeded                   413 limit_exceeded       a GATEWAY_* limit refused the request
     │   ├── RequestTooLarge             413 request_too_large    body over max_request_bytes
     │   ├── SessionTooLong              413 session_too_long     the session would pass max_session_tokens
     │   ├── TooManySessions             429 too_many_sessions    the store is at max_sessions
+    │   ├── TurnLimitReached            429 turn_limit_reached   the session ran its max_turns model turns
     │   ├── StoreFull                   507 store_full           the sessions hold max_stored_bytes
     │   ├── TooManyConnections          503 too_many_connections max_client_connections open, none idle
     │   ├── HeaderTimeout               408 header_timeout       the request head did not arrive in header_timeout_s
@@ -156,6 +162,13 @@ class HistoryMismatch(SessionConflict):
     error_type = "history_mismatch"
 
 
+class SessionClosed(SessionConflict):
+    """``POST /v1/sessions/{id}/close`` was called (a trainer is taking the session's samples): no turn runs on it
+    any more, whatever the API. Not retryable: the rollout is over."""
+
+    error_type = "session_closed"
+
+
 class StoreUnavailable(GatewayError):
     """The shared session store (Redis) did not answer, or refused: nothing was written (a turn's fold is written in
     one transaction, or not at all). Safe to retry once the store is back. Two exceptions, which a client may retry
@@ -171,6 +184,26 @@ class StoreUnavailable(GatewayError):
         if self.details.get("reason") in self.MAYBE_WRITTEN:
             return {"x-should-retry": "false"}
         return retry_headers()
+
+
+class TurnInterrupted(GatewayError):
+    """A model turn the engine aborted mid-answer (a weight update's pause) that was not resumed: ``reason`` says
+    which bound (resume_max, deadline, refused, resume_failed, max_session_tokens, off, engine_abort), ``resumed``
+    how often it was. The session keeps what was generated, marked aborted: the client must not take it for the
+    model's answer. 503: the harnesses' clients retry it (the retry's history, without the cut reply, forks a new
+    branch from before it)."""
+
+    status_code = 503
+    error_type = "turn_interrupted"
+
+
+class TurnAborted(GatewayError):
+    """A model turn the trainer ended on purpose (the session's abort route, the gateway-wide ``abort_all``, the
+    gateway shutting down): never resumed, kept in the session as aborted. 503, as for an interrupted turn: a client
+    that retries gets a new turn, unless the trainer deleted the session (then 404)."""
+
+    status_code = 503
+    error_type = "turn_aborted"
 
 
 class NotFound(GatewayError):
@@ -207,6 +240,14 @@ class SessionTooLong(LimitExceeded):
 class TooManySessions(LimitExceeded):
     status_code = 429
     error_type = "too_many_sessions"
+
+
+class TurnLimitReached(LimitExceeded):
+    """The session has run the ``max_turns`` model turns it was created with (slime's ``max_turns_per_sid``): 429,
+    as slime's adapters answer it, so that a harness stuck in a loop ends."""
+
+    status_code = 429
+    error_type = "turn_limit_reached"
 
 
 class StoreFull(LimitExceeded):

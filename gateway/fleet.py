@@ -8,8 +8,10 @@ in-memory store there is one replica, and the action is only local.
 
 Actions:
 - ``abort_all``: every turn running on any replica ends, aborted-but-coherent, its tokens so far folded in (each
-  replica's ``GatewayState.abort_running_turns``): slime's end-of-rollout ``abort_request {"abort_all": true}``
-  wired to ``abort_everywhere``, or ``POST /v1/abort_all``.
+  replica's ``GatewayState.abort_running_turns``): ``POST /v1/abort_all``, and slime's end-of-rollout
+  ``abort_request {"abort_all": true}`` through the passthrough, which publishes it before it forwards it to the
+  engine. A turn on another replica that the engine aborts before the message arrives may be resubmitted once (it
+  looked like a weight update's abort); the message then aborts that continuation, so the turn still ends aborted.
 
 Delivery is Redis pub/sub's: at most once, to the replicas subscribed at that moment. A replica cut off from Redis
 misses the message (its turns end by themselves, or the engine's own abort ends them); the answer says how many
@@ -48,15 +50,22 @@ async def abort_everywhere(state: GatewayState, reason: str) -> FleetAbort:
     """Abort every running turn on every replica: this one's now (it answers once they ended), the others' as the
     message reaches them. A store that cannot publish (Redis down) still aborts here, and says so."""
     running = len(state.store.running_turns())
-    message = {"action": ABORT_ALL, "reason": reason, "origin": state.instance_id}
-    published, receivers = True, 0
-    try:
-        receivers = await state.store.broadcast(message)
-    except Exception as exc:  # the local abort must happen whatever the store does
-        log.warning("abort_all: could not reach the other replicas: %s", exc)
-        published = False
+    published, receivers = await publish_abort(state, reason)
     await state.abort_running_turns(reason)
-    return FleetAbort(running, published and state.store.shared, receivers)
+    return FleetAbort(running, published, receivers)
+
+
+async def publish_abort(state: GatewayState, reason: str) -> tuple[bool, int]:
+    """Tell the other replicas to abort their running turns: (whether it went out, how many subscribers Redis
+    counted). Never raises: the caller's own abort must happen whatever the store does."""
+    if not state.store.shared:
+        return False, 0
+    message = {"action": ABORT_ALL, "reason": reason, "origin": state.instance_id}
+    try:
+        return True, await state.store.broadcast(message)
+    except Exception as exc:
+        log.warning("abort_all: could not reach the other replicas: %s", exc)
+        return False, 0
 
 
 class FleetListener:

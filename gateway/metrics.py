@@ -68,6 +68,26 @@ class GatewayMetrics:
             "gateway_turns", "Session turns folded, by kind and outcome", ["kind", "outcome"], registry=r
         )
         self.folded_tokens = Counter("gateway_folded_tokens", "Tokens folded into sessions", ["trainable"], registry=r)
+        self.turn_resumes = Counter(
+            "gateway_turn_resumes",
+            "Model turns resubmitted after the engine aborted them mid-answer (a weight update's pause), by mode "
+            "(unary, stream); a turn resumed twice counts twice",
+            ["mode"],
+            registry=r,
+        )
+        self.resumed_tokens = Counter(
+            "gateway_resumed_tokens",
+            "Tokens generated before an engine abort and carried into the resumed turn (not generated again)",
+            registry=r,
+        )
+        self.turns_interrupted = Counter(
+            "gateway_turns_interrupted",
+            "Model turns that ended before the model ended them, by reason: aborted (the trainer or the client "
+            "ended it), or an engine abort not resumed (resume_max, deadline, refused, resume_failed, "
+            "max_session_tokens, off, engine_abort)",
+            ["reason"],
+            registry=r,
+        )
         self.chat_turns = Counter(
             "gateway_chat_turns",
             "Chat turns (OpenAI chat, Anthropic messages, OpenAI responses), by API, mode and finish",
@@ -93,6 +113,20 @@ class GatewayMetrics:
             "gateway_chat_tool_parse_failures",
             "Completions with tool-call markup the tool parser could not read (returned as the model's text)",
             ["parser"],
+            registry=r,
+        )
+
+        self.sessions_closed = Counter(
+            "gateway_sessions_closed",
+            "Sessions closed for their samples (POST /v1/sessions/{id}/close), by outcome: drained (no turn left), "
+            "busy (a turn still held it after the wait and the abort)",
+            ["outcome"],
+            registry=r,
+        )
+        self.chat_refused = Counter(
+            "gateway_chat_refused",
+            "Chat requests refused by a session's own caps or state: closed, turn_limit, context_budget",
+            ["reason"],
             registry=r,
         )
 

@@ -11,7 +11,7 @@ passthrough routes are plain Starlette routes (absent). So the routes describe t
 - every error status a route can answer, each with the one error schema (``ErrorBody``);
 - the real media types: safetensors (``application/vnd.safetensors``), server-sent events (``text/event-stream``),
   Prometheus text;
-- the SGLang passthrough routes (``PASSTHROUGH_PATHS``), their bodies and answers the upstream's;
+- the SGLang passthrough routes (``passthrough_paths``), their bodies and answers the upstream's;
 - the API key scheme when the gateway has keys (``/health``, and ``/metrics`` unless protected, need none).
 
 A route describes itself with them, e.g. (the chat routes' errors, in each API's own shape, also fit ``ErrorBody``:
@@ -63,17 +63,18 @@ ERROR_STATUSES: dict[int, str] = {
     405: "method_not_allowed (the Allow header lists the methods the path takes)",
     408: "header_timeout / body_timeout: the request head or body did not arrive in time (the connection is closed)",
     409: "session_exists, session_busy (a turn is running), session_mismatch (sync), history_mismatch (chat), "
-    "session_conflict (a valid body this session cannot take now: no prompt yet, routing without a MoE shape, "
-    "top-p replay from the middle of a sample)",
+    "session_closed (a turn on a closed session), session_conflict (a valid body this session cannot take now: no "
+    "prompt yet, routing without a MoE shape, top-p replay from the middle of a sample)",
     413: "request_too_large (GATEWAY_MAX_REQUEST_BYTES, GATEWAY_CHAT_MAX_TOOLS_BYTES) or session_too_long "
     "(GATEWAY_MAX_SESSION_TOKENS)",
     422: "invalid_request: the body or a parameter is not what this document says (errors lists each problem)",
-    429: "too_many_sessions (GATEWAY_MAX_SESSIONS)",
+    429: "too_many_sessions (GATEWAY_MAX_SESSIONS), turn_limit_reached (the session's max_turns: chat routes)",
     500: "internal_error: a bug (the reference is in the gateway log)",
     501: "chat_not_configured: the gateway was started without a tokenizer",
     502: "upstream_error, upstream_protocol_error, replay_data_dropped, upstream_connection_lost: the upstream's "
     "answer could not be used (nothing was changed)",
-    503: "upstream_unavailable, store_unavailable, too_many_connections: safe to retry (nothing was changed)",
+    503: "upstream_unavailable, store_unavailable, too_many_connections: safe to retry (nothing was changed); chat "
+    "routes: turn_interrupted, turn_aborted (the engine or the trainer ended the turn: the session keeps it)",
     504: "upstream_timeout (GATEWAY_REQUEST_TIMEOUT_S)",
     507: "store_full (GATEWAY_MAX_STORED_BYTES)",
 }
@@ -129,6 +130,16 @@ class SessionList(BaseModel):
     sessions: list[SessionSummary]
 
 
+class TrainedVersions(BaseModel):
+    """The weight versions a branch's trained tokens (loss mask 1) come from, in the order the branch met them."""
+
+    first: str | None = Field(description="the oldest (null: no trained token of a known version)")
+    last: str | None = Field(description="the newest")
+    count: int = Field(description="how many distinct versions")
+    tokens: dict[str, int] = Field(description="trained tokens per version")
+    unknown_tokens: int = Field(description="trained tokens of no known version (the upstream sent none)")
+
+
 class BranchSummary(BaseModel):
     """One branch of the session's tree: where it stands, its sample's lengths."""
 
@@ -149,6 +160,7 @@ class BranchSummary(BaseModel):
     total_tokens: int
     busy: bool
     last_error: str | None
+    trained_versions: TrainedVersions
 
 
 class SessionView(SessionSummary):
@@ -159,10 +171,13 @@ class SessionView(SessionSummary):
     branch: int = Field(description="the branch shown (0: the root)")
     branches: list[BranchSummary]
     metadata: dict[str, Any] | None
+    closed: bool = Field(description="closed (POST /close): every turn asked for is refused")
+    limits: dict[str, int | None] = Field(description="a trainer's caps: max_context_tokens, max_turns (null: none)")
     moe: dict[str, int] | None
     replay: dict[str, Any]
     arrays: dict[str, Any]
     weight_versions: list[str | None]
+    trained_versions: TrainedVersions
     response: str
     last_tokens: list[int]
     turn_log: list[dict[str, Any]]
@@ -185,6 +200,12 @@ class TurnSummary(BaseModel):
     response_length: int
     total_tokens: int
     routed_experts_rows: int
+    resumed: int = Field(0, description="times the engine aborted it mid-answer and it was resubmitted")
+    interrupted: ErrorDetail | None = Field(
+        None,
+        description="why it ended before the model ended it: turn_aborted (the caller, the trainer), "
+        "turn_interrupted (an engine abort not resumed: its reason)",
+    )
 
 
 class AbortAnswer(SessionSummary):
@@ -200,6 +221,14 @@ class AbortAllAnswer(BaseModel):
     aborted: int = Field(description="turns this replica was running, aborted (ended before the answer)")
     published: bool = Field(description="whether the abort went out to the other replicas over the shared store")
     receivers: int = Field(description="the other replicas' subscriptions Redis delivered it to")
+
+
+class CloseAnswer(SessionSummary):
+    closed: Literal[True]
+    drained: bool = Field(description="no turn holds the session any more (false: one still ran after the abort)")
+    waited_s: float = Field(description="how long the close took")
+    aborted_rids: list[str] = Field(description="the turns that were still running at the end of the wait, aborted")
+    instance_id: str | None = Field(None, description="the replica that still runs a turn on it, when another does")
 
 
 class Health(BaseModel):
@@ -341,18 +370,32 @@ SSE_EVENT = {
 }
 
 
-def install(app: FastAPI, settings: Settings) -> None:
-    """Serve the document described above as ``app``'s (built once, on the first ``GET /openapi.json``)."""
+def install(
+    app: FastAPI,
+    settings: Settings,
+    *,
+    structs: Sequence[type[msgspec.Struct]] = (),
+    paths: dict[str, Any] | None = None,
+) -> None:
+    """Serve the document described above as ``app``'s (built once, on the first ``GET /openapi.json``).
+    ``structs``: the msgspec request models the routes reference (their components are made together, see
+    ``_schemas_of``); ``paths``: operations FastAPI does not see (the passthrough's, ``passthrough_paths``)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = build_document(app, settings)
+            app.openapi_schema = build_document(app, settings, structs=structs, paths=paths or {})
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customize the document
 
 
-def build_document(app: FastAPI, settings: Settings) -> dict[str, Any]:
+def build_document(
+    app: FastAPI,
+    settings: Settings,
+    *,
+    structs: Sequence[type[msgspec.Struct]] = (),
+    paths: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     document = get_openapi(
         title=app.title,
         version=app.version,
@@ -360,7 +403,7 @@ def build_document(app: FastAPI, settings: Settings) -> dict[str, Any]:
         routes=app.routes,
         openapi_version=app.openapi_version,
     )
-    document["paths"].update(_passthrough_paths())
+    document["paths"].update(copy.deepcopy(paths or {}))
     schemas: dict[str, Any] = document.setdefault("components", {}).setdefault("schemas", {})
     for operation in _operations(document):
         _errors_in_our_schema(operation)
@@ -369,7 +412,7 @@ def build_document(app: FastAPI, settings: Settings) -> dict[str, Any]:
     pending = _references(document)
     while pending:  # a schema added may reference others
         name, target = pending.popitem()
-        for key, schema in _schemas_of(name, _resolve(target)).items():
+        for key, schema in _schemas_of(name, _resolve(target), structs).items():
             if key not in schemas:
                 schemas[key] = schema
                 pending |= _references(schema)
@@ -407,16 +450,14 @@ def _resolve(target: str) -> Any:
     return found
 
 
-def _schemas_of(name: str, target: Any) -> dict[str, Any]:
+def _schemas_of(name: str, target: Any, structs: Sequence[type[msgspec.Struct]]) -> dict[str, Any]:
     """The components a reference needs: a JSON schema dict as it is, a pydantic model's schema and those of the
     models it nests (pydantic's ``$defs``), or a msgspec struct's (the chat routes' requests: all of them at once,
     so that their structs of the same name, three APIs' ``MessageIn``, get names of their own)."""
     if isinstance(target, dict):
         return {name: copy.deepcopy(target)}
     if isinstance(target, type) and issubclass(target, msgspec.Struct):
-        from gateway.chat.api import documented_requests
-
-        models = documented_requests()
+        models = [*structs, *([] if target in structs else [target])]
         _, components = msgspec.json.schema_components(models, ref_template=_SCHEMAS_PREFIX + "{name}")
         return components
     schema = target.model_json_schema(ref_template=_SCHEMAS_PREFIX + "{model}")
@@ -432,11 +473,10 @@ def _errors_in_our_schema(operation: dict[str, Any]) -> None:
 
 
 # ---- the SGLang passthrough ----------------------------------------------------------------------------------------
-def _passthrough_paths() -> dict[str, Any]:
-    from gateway.routes.passthrough import GET_PATHS, POST_PATHS, SESSION_HEADER
-
+def passthrough_paths(post_paths: Sequence[str], get_paths: Sequence[str], session_header: str) -> dict[str, Any]:
+    """The SGLang passthrough's operations (``gateway.routes.passthrough``), for ``install``'s ``paths``."""
     routing_key = {
-        "name": SESSION_HEADER,
+        "name": session_header,
         "in": "header",
         "required": False,
         "description": "forwarded upstream as X-SMG-Routing-Key: a consistent_hashing router keeps a session on "
@@ -447,7 +487,7 @@ def _passthrough_paths() -> dict[str, Any]:
     upstream_answer = {"description": "the upstream's answer, status, body and content type as it sent them"}
     failures = {str(status): _error_response(status) for status in sorted({*COMMON_ERRORS, 413, 502, 503, 504})}
     paths: dict[str, Any] = {}
-    for path in POST_PATHS:
+    for path in post_paths:
         paths[path] = {
             "post": {
                 "tags": ["sglang passthrough"],
@@ -462,7 +502,7 @@ def _passthrough_paths() -> dict[str, Any]:
                 "responses": {"default": upstream_answer, **failures},
             }
         }
-    for path in GET_PATHS:
+    for path in get_paths:
         paths[path] = {
             "get": {
                 "tags": ["sglang passthrough"],

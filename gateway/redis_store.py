@@ -66,7 +66,7 @@ from gateway.buffers import GrowableArray
 from gateway.chat.conversation import ChatRecord
 from gateway.errors import SessionBusy, SessionExists, SessionNotFound, StoreUnavailable
 from gateway.sample import MoEShape, SessionSample, Status, TurnRecord
-from gateway.store import Branch, Session, SessionQuery, SessionStore, Trajectory, page_of
+from gateway.store import Branch, Session, SessionLimits, SessionQuery, SessionStore, Trajectory, page_of
 
 log = logging.getLogger("gateway.redis_store")
 
@@ -249,6 +249,14 @@ for _, key in ipairs(KEYS) do redis.call('DEL', key) end
 return {'ok'}
 """
 
+# KEYS[1]: the session's hash. Marks the session closed (``SessionStore.close``) if it exists: a field of its own, which
+# no write touches and every replica's ``get`` reads with the stamp. Answers 1, or 0 for no such session.
+_CLOSE = """#!lua
+if not redis.call('HGET', KEYS[1], 'stamp') then return 0 end
+redis.call('HSET', KEYS[1], 'closed', '1')
+return 1
+"""
+
 # Deletes the lease, or extends it, only while it is ours (a lease that ran out may be another replica's now).
 _UNLOCK = "#!lua\nif redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 _RENEW = (
@@ -418,10 +426,11 @@ class RedisSessionStore(SessionStore):
         self._heart: asyncio.Task[None] | None = None
         self.listening: bool | None = False
         self._cleanups: set[asyncio.Task[None]] = set()
-        self._scripts = [Script(text) for text in (_ACQUIRE, _WRITE, _DELETE, _UNLOCK, _RENEW)]
+        self._scripts = [Script(text) for text in (_ACQUIRE, _WRITE, _DELETE, _UNLOCK, _RENEW, _CLOSE)]
         self._acquire_script, self._write_script, self._delete_script, self._unlock_script, self._renew_script = (
-            self._scripts
+            self._scripts[:5]
         )
+        self._close_script = self._scripts[5]
 
     # ---- life ------------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -515,8 +524,10 @@ class RedisSessionStore(SessionStore):
         session_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        limits: SessionLimits | None = None,
+        resume: bool = False,
     ) -> Session:
-        session = self._new_session(sample, session_id, metadata, sampling_defaults)
+        session = self._new_session(sample, session_id, metadata, sampling_defaults, limits, resume)
         sid = session.session_id
         # Against the count as last seen (refreshed with the leases): a create depends on its own session's node
         # only, never on the index's.
@@ -536,11 +547,26 @@ class RedisSessionStore(SessionStore):
             return local
         with self._errors("read"):
             key = self._keys.session(session_id)
-            incarnation, stamp = await self._patient(lambda: self.redis.hmget(key, "incarnation", "stamp"))
+            incarnation, stamp, closed = await self._patient(
+                lambda: self.redis.hmget(key, "incarnation", "stamp", "closed")
+            )
         if stamp is None:
             self._forget(session_id)
             raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
-        return await self._fresh(session_id, ((incarnation or b"").decode(), stamp.decode()))
+        session = await self._fresh(session_id, ((incarnation or b"").decode(), stamp.decode()))
+        session.closed = session.closed or closed is not None  # closed by any replica, at no extra round trip
+        return session
+
+    async def close(self, session_id: str) -> Session:
+        with self._errors("close"):
+            key = self._keys.session(session_id)
+            found = await self._patient(lambda: self._close_script(self.redis, [key], []))  # idempotent: safe to resend
+        if not found:
+            self._forget(session_id)
+            raise SessionNotFound(f"no session {session_id!r}", session_id=session_id)
+        session = await self.get(session_id)
+        session.closed = True  # a turn running here keeps this copy as it is (``get`` does not read Redis then)
+        return session
 
     async def _fresh(self, session_id: str, current: tuple[str, str]) -> Session:
         """The session as Redis has it now (``current``: its incarnation and stamp): the local copy when it is that
@@ -1066,11 +1092,17 @@ class RedisSessionStore(SessionStore):
                     break
             else:
                 raise StoreUnavailable(f"read: session {session_id!r} kept changing while it was read", reason="redis")
+        current = (fields.get("incarnation", b"").decode(), fields["stamp"].decode())
+        local = self._sessions.get(session_id)
+        if local is not None and self._cached.get(session_id) == current:
+            # A concurrent read (a turn's hold, a view) loaded this very version first: keep one copy per version,
+            # or the turn would run on a twin that the views never see busy or changed.
+            return local
         replies = iter(answers)
         samples = [(sample["id"], _read_sample(sample["id"], sample["chunks"], replies)) for sample in layout]
         session = _session_from_fields(session_id, fields, samples)
         self._register(session)
-        self._cached[session_id] = (fields.get("incarnation", b"").decode(), fields["stamp"].decode())
+        self._cached[session_id] = current
         self._written[session_id] = {
             name: value for name, value in fields.items() if name in SESSION_FIELDS or name.startswith(BRANCH_FIELD)
         }
@@ -1212,7 +1244,16 @@ def _raw(array: np.ndarray) -> memoryview:
 
 
 # ---- the session's hash: its small fields --------------------------------------------------------------------------
-SESSION_FIELDS = ("samples", "metadata", "sampling_defaults", "created_at", "updated_at", "summary")
+SESSION_FIELDS = (
+    "samples",
+    "metadata",
+    "sampling_defaults",
+    "limits",
+    "resume",
+    "created_at",
+    "updated_at",
+    "summary",
+)
 # One hash field per branch, "branch:{sample id}": its place in the tree and its chat record (written when it changed:
 # a turn rewrites only its own branch's).
 BRANCH_FIELD = "branch:"
@@ -1228,6 +1269,8 @@ def _session_fields(
         "samples": orjson.dumps(_layout(pending)),
         "metadata": orjson.dumps(session.metadata),
         "sampling_defaults": orjson.dumps(session.sampling_defaults),
+        "limits": orjson.dumps(session.limits.to_json()),
+        "resume": orjson.dumps(session.resume),
         "created_at": repr(session.created_at).encode(),
         "updated_at": repr(session.updated_at).encode(),
         "summary": orjson.dumps(session.listing() | {"busy": False}),
@@ -1269,8 +1312,11 @@ def _session_from_fields(
         branches=[by_id[sample_id] for sample_id, _ in samples],
         metadata=orjson.loads(fields["metadata"]),
         sampling_defaults=orjson.loads(fields["sampling_defaults"]),
+        resume=orjson.loads(fields.get("resume", b"false")) is True,  # (sessions written before it have none)
         created_at=float(fields["created_at"]),
         updated_at=float(fields["updated_at"]),
+        limits=SessionLimits.from_json(orjson.loads(fields["limits"]) if "limits" in fields else None),
+        closed="closed" in fields,
     )
 
 

@@ -99,6 +99,7 @@ class TurnRecord:
     # model turns: which weights produced which of the turn's tokens ({"version", "start", "end"}, version null when
     # unknown), positions counted from the turn's first token
     weight_version_spans: list[dict[str, Any]] | None = None
+    resumed: int = 0  # model turns: times the engine aborted it mid-answer and it was resubmitted (gateway.resume)
 
     def to_json(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self.__slots__}
@@ -185,11 +186,14 @@ class SessionSample:
         """Append a model answer (trainable tokens): ``plan_model_turn``, then ``apply_model_turn``."""
         return self.apply_model_turn(self.plan_model_turn(turn, routing_start_len=routing_start_len))
 
-    def plan_model_turn(self, turn: DecodedTurn, *, routing_start_len: int = 0) -> ModelTurnPlan:
+    def plan_model_turn(self, turn: DecodedTurn, *, routing_start_len: int = 0, routing_lag: int = 0) -> ModelTurnPlan:
         """Check a model answer against the session and decide what folding it changes; changes nothing. Every
-        error of the fold is raised here, so a caller can also check what it will answer before applying."""
+        error of the fold is raised here, so a caller can also check what it will answer before applying.
+        ``routing_lag``: the answer's last positions that have no routing row (a resumed turn's stream cut before
+        its final chunk): its rows end that many positions short, and the next turn asks for them, as after tool
+        tokens."""
         n = turn.num_tokens
-        routing = self._plan_routing(turn, len(self.tokens) + n, routing_start_len)
+        routing = self._plan_routing(turn, len(self.tokens) + n - routing_lag, routing_start_len)
         self._check_top_p(turn, n)
         spans = turn.token_version_spans
         versions = self._plan_versions(spans, n)
@@ -395,6 +399,23 @@ class SessionSample:
             self.weight_versions.append(turn.weight_version)
 
     # ---- export ----------------------------------------------------------------------------------------------
+    def trained_versions(self) -> dict[str, Any]:
+        """The weight versions this trajectory's trained tokens (loss mask 1) come from: the first and the last in the
+        order the trajectory met them (the order of the updates), how many, the trained tokens of each, and those of
+        no known version. What a staleness bound looks at (docs/operations/weight-updates.md). O(response)."""
+        trained = self.weight_version_ids.view()[self.loss_mask.view().astype(bool)]
+        known = trained[trained >= 0]
+        counts = np.bincount(known, minlength=len(self.weight_version_table)) if len(known) else np.zeros(0, np.int64)
+        present = np.flatnonzero(counts).tolist()
+        table = self.weight_version_table
+        return {
+            "first": table[present[0]] if present else None,
+            "last": table[present[-1]] if present else None,
+            "count": len(present),
+            "tokens": {table[i]: int(counts[i]) for i in present},
+            "unknown_tokens": int(len(trained) - len(known)),
+        }
+
     def arrays(self) -> dict[str, np.ndarray]:
         """The sample as named arrays (slime field names), views into the state: no copies."""
         out = {

@@ -219,6 +219,12 @@ class TurnCreate(_Body):
     stream: StrictBool = False
     sync: SessionSync | None = None
     delete_after_turn: DeleteAfterTurn = "never"
+    resume: StrictBool | None = Field(
+        None,
+        description="when the engine aborts the answer mid-way (a weight update's pause), resubmit the continuation "
+        "and answer one turn (docs/operations/weight-updates.md); null: the session's `resume` (off unless it was "
+        "created with it). The chat routes always resume",
+    )
 
     @model_validator(mode="after")
     def _streams_keep_their_session(self) -> TurnCreate:
@@ -268,7 +274,21 @@ class SessionCreate(_Body):
     session_id: SessionId | None = None
     metadata: Metadata | None = None
     sampling_defaults: SamplingParamsDict | None = None
+    # A trainer's caps on the session's chat turns (slime's max_context_tokens and max_turns_per_sid); none by default
+    max_context_tokens: Annotated[int, WholeNumber(gt=0, le=INT32_MAX)] | None = Field(
+        None,
+        description="no branch of the session grows past this many tokens: a chat prompt over it is refused in the "
+        "API's context-overflow words, an answer that would pass it is cut to what is left",
+    )
+    max_turns: Annotated[int, WholeNumber(gt=0, le=INT32_MAX)] | None = Field(
+        None, description="model turns over all the session's branches; past it a chat request is a 429"
+    )
     generate: FirstTurn | None = None  # run the first model turn at once
+    resume: StrictBool = Field(
+        False,
+        description="the default of the session's token-level turns (`/generate`'s `resume`): resubmit an answer the "
+        "engine aborts mid-way. Off by default: slime's own partial rollout resumes the drop-in's aborted samples",
+    )
 
     @model_validator(mode="after")
     def _moe_shape_complete(self) -> SessionCreate:
@@ -277,6 +297,16 @@ class SessionCreate(_Body):
         if self.generate is not None and self.prompt_ids is None:
             raise ValueError("generate needs prompt_ids (a chat session gets its prompt from its first chat request)")
         return self
+
+
+MAX_CLOSE_WAIT_S = 3600
+
+
+class SessionClose(_Body):
+    """``POST /v1/sessions/{id}/close``: how long running turns may take to end by themselves before they are
+    aborted."""
+
+    wait_timeout_s: number(ge=0, le=MAX_CLOSE_WAIT_S) = Field(5.0, description="seconds (0: abort at once)")
 
 
 class SampleBatchRequest(_Body):
@@ -317,3 +347,4 @@ TurnCreateBody = Annotated[TurnCreate, Depends(json_body(TurnCreate))]
 ToolAppendBody = Annotated[ToolAppend, Depends(json_body(ToolAppend, token_array="token_ids"))]
 SampleBatchBody = Annotated[SampleBatchRequest, Depends(json_body(SampleBatchRequest))]
 AbortAllBody = Annotated[AbortAll, Depends(json_body(AbortAll))]
+SessionCloseBody = Annotated[SessionClose, Depends(json_body(SessionClose))]

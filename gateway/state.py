@@ -1,12 +1,14 @@
-"""Resources owned by the app lifespan, handed to routes through one typed dependency."""
+"""Resources owned by the app lifespan, handed to routes through one typed dependency.
+
+The routes are the only layer that sees the whole of it: each one passes on what a call needs (the turn runner to a
+turn, the store to a read), so nothing below the routes imports this module.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
@@ -15,7 +17,9 @@ from fastapi import Depends, Request
 from gateway.config import Settings
 from gateway.drain import Drain
 from gateway.metrics import GatewayMetrics
+from gateway.offload import CpuPool
 from gateway.store import SessionStore
+from gateway.turns import TurnRunner
 from gateway.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -29,40 +33,28 @@ class GatewayState:
     settings: Settings
     upstream: Upstream
     store: SessionStore
-    cpu_pool: ThreadPoolExecutor
+    cpu: CpuPool
     metrics: GatewayMetrics
+    runner: TurnRunner
     chat: ChatService | None = None  # the chat routes, when a tokenizer is configured
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = field(default_factory=time.time)
     drain: Drain = field(default_factory=Drain)  # started by SIGTERM (``gateway.drain``): /health answers 503
 
     async def run_cpu(self, size: int, fn: Callable[[], T], *, threshold: int | None = None) -> T:
-        """Run CPU work (decode, encode) in the pool when it is big enough to stall the event loop: ``size`` past
-        ``threshold`` (default: decode_offload_bytes, set for the upstream's answers)."""
-        if size < (self.settings.decode_offload_bytes if threshold is None else threshold):
-            return fn()
-        return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, fn)
-
-    async def decode(self, kind: str, size: int, fn: Callable[[], T]) -> T:
-        """``run_cpu`` for decoding an upstream answer, timed into the decode metrics."""
-        started = time.perf_counter()
-        try:
-            return await self.run_cpu(size, fn)
-        finally:
-            self.metrics.observe_decode(kind, size, time.perf_counter() - started)
+        """``CpuPool.run``: CPU work (decode, encode) in the pool when it is big enough to stall the event loop."""
+        return await self.cpu.run(size, fn, threshold=threshold)
 
     async def aclose(self) -> None:
         await self.abort_running_turns("gateway shutting down")
         await self.store.aclose()
         await self.upstream.aclose()
-        self.cpu_pool.shutdown(wait=False, cancel_futures=True)
+        self.cpu.shutdown()
 
     async def abort_running_turns(self, reason: str, timeout_s: float = 4.0) -> None:
-        """Shutdown: every turn still in flight ends aborted-but-coherent, never half-written."""
-        running = self.store.running_turns()
-        for turn in running:
-            turn.abort(reason)
-        await asyncio.gather(*(turn.wait(timeout_s) for turn in running))
+        """``TurnRunner.abort_running_turns``: every turn still in flight here ends aborted-but-coherent, never
+        half-written and never resumed (shutdown, the gateway-wide abort)."""
+        await self.runner.abort_running_turns(reason, timeout_s)
 
 
 async def get_state(request: Request) -> GatewayState:

@@ -25,6 +25,7 @@ import orjson
 
 from gateway.errors import (
     SessionBusy,
+    SessionClosed,
     SessionExists,
     SessionMismatch,
     SessionNotFound,
@@ -90,15 +91,35 @@ class Branch:
         self.updated_at = time.time()
 
 
+@dataclass(frozen=True, slots=True)
+class SessionLimits:
+    """A trainer's caps on one session's chat turns (slime's ``max_context_tokens`` and ``max_turns_per_sid``), set
+    when it is created; None: no cap. ``sampling_defaults.max_new_tokens`` caps each chat answer besides."""
+
+    max_context_tokens: int | None = None  # no branch longer: a prompt over it is refused, an answer cut to fit
+    max_turns: int | None = None  # model turns over all its branches; past it a chat request is a 429
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max_context_tokens": self.max_context_tokens, "max_turns": self.max_turns}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any] | None) -> SessionLimits:
+        value = value or {}
+        return cls(max_context_tokens=value.get("max_context_tokens"), max_turns=value.get("max_turns"))
+
+
 @dataclass
 class Session:
     session_id: str
     branches: list[Branch]  # [0]: the root, the token API's trajectory; the others in the order they were started
     metadata: dict[str, Any] = field(default_factory=dict)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    resume: bool = False  # the default of its token-level turns' ``resume`` (gateway.resume)
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     counted_bytes: int = 0  # stored_bytes when the store last counted it (see SessionStore.growing)
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    closed: bool = False  # ``SessionStore.close``: no more turns (its samples are being taken)
 
     @classmethod
     def of(cls, session_id: str, sample: SessionSample, **fields: Any) -> Session:
@@ -124,6 +145,22 @@ class Session:
 
     def index(self, branch: Branch) -> int:
         return next(i for i, known in enumerate(self.branches) if known is branch)
+
+    def running_turns(self) -> list[RunningTurn]:
+        """The turns running on its branches in this process (a chat session's branches may each run one)."""
+        return [branch.running for branch in self.branches if branch.running is not None]
+
+    def model_turns(self) -> int:
+        """Model turns folded into any of its branches (each branch's turn log holds only its own)."""
+        return sum(1 for branch in self.branches for turn in branch.sample.turns if turn.kind == "model")
+
+    def check_open(self) -> None:
+        """``SessionClosed`` once the session was closed (``SessionStore.close``)."""
+        if self.closed:
+            raise SessionClosed(
+                f"session {self.session_id!r} is closed: its rollout is over and its samples are being taken",
+                session_id=self.session_id,
+            )
 
     def summary(self) -> dict[str, Any]:
         """What ``GET /v1/sessions`` lists and every view starts with: the root branch, and how many there are."""
@@ -323,11 +360,13 @@ class SessionStore:
         session_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        limits: SessionLimits | None = None,
+        resume: bool = False,
     ) -> Session:
         if session_id is not None and session_id in self._sessions:
             raise SessionExists(f"session {session_id!r} already exists", session_id=session_id)
         self._check_session_count(len(self._sessions))
-        session = self._new_session(sample, session_id, metadata, sampling_defaults)
+        session = self._new_session(sample, session_id, metadata, sampling_defaults, limits, resume)
         self._register(session)
         return session
 
@@ -337,12 +376,19 @@ class SessionStore:
         session_id: str | None,
         metadata: dict[str, Any] | None,
         sampling_defaults: dict[str, Any] | None,
+        limits: SessionLimits | None = None,
+        resume: bool = False,
     ) -> Session:
         """A new session, checked against the limits of this process; not stored yet."""
         self._check_tokens(len(sample.tokens), "the prompt has")
         self._check_store_room(sample.stored_bytes)
         return Session.of(
-            session_id or uuid.uuid4().hex, sample, metadata=metadata or {}, sampling_defaults=sampling_defaults or {}
+            session_id or uuid.uuid4().hex,
+            sample,
+            metadata=metadata or {},
+            sampling_defaults=sampling_defaults or {},
+            limits=limits or SessionLimits(),
+            resume=resume,
         )
 
     def _check_session_count(self, held: int) -> None:
@@ -371,6 +417,13 @@ class SessionStore:
             return self._sessions[session_id]
         except KeyError:
             raise SessionNotFound(f"no session {session_id!r}", session_id=session_id) from None
+
+    async def close(self, session_id: str) -> Session:
+        """Mark the session closed: every turn asked for from now on is refused (``SessionClosed``); turns already
+        running go on (``gateway.closing`` waits for them). Idempotent."""
+        session = self.local(session_id)
+        session.closed = True
+        return session
 
     async def delete(self, session_id: str) -> None:
         session = self.local(session_id)
@@ -436,7 +489,7 @@ class SessionStore:
             await self.release(trajectory)
 
     def running_turns(self) -> list[RunningTurn]:
-        return [b.running for s in self._sessions.values() for b in s.branches if b.running is not None]
+        return [turn for session in self._sessions.values() for turn in session.running_turns()]
 
     async def expire_idle(self, ttl_s: float, now: float | None = None) -> list[str]:
         """Drop sessions untouched for ``ttl_s`` (abandoned rollouts); a session with a turn running stays."""

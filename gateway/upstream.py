@@ -86,13 +86,21 @@ class Upstream:
         self.buffers.give_back(body)
 
     async def forward(
-        self, method: str, target: bytes, headers: Sequence[tuple[bytes, bytes]], body: bytes
+        self,
+        method: str,
+        target: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        timeout_s: float | None = None,
     ) -> Response:
         """A passthrough call: the upstream's answer with its body still to read (read it through ``read`` or
-        ``relay``; the caller closes it). HEAD goes upstream as GET: the ASGI server drops the body."""
+        ``relay``; the caller closes it). HEAD goes upstream as GET: the ASGI server drops the body. ``timeout_s``:
+        the call's deadline (default ``timeout_s``, GATEWAY_REQUEST_TIMEOUT_S)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         with self.translated():
             return await self.pool.request(
-                "GET" if method == "HEAD" else method, target, [*headers, *self._auth], body, timeout=self.timeout_s
+                "GET" if method == "HEAD" else method, target, [*headers, *self._auth], body, timeout=timeout
             )
 
     async def read(self, response: Response) -> Body:
@@ -108,12 +116,13 @@ class Upstream:
         finally:
             await response.aclose()
 
-    async def post_generate(self, body: bytes, *, routing_key: str | None) -> Body:
+    async def post_generate(self, body: bytes, *, routing_key: str | None, timeout_s: float | None = None) -> Body:
         """A non-streamed ``/generate`` for a session turn: the answer's bytes (give big ones back with
         ``recycle``), or a ``GatewayError``."""
         started = time.perf_counter()
         try:
-            response = await self.forward("POST", b"/generate", self._generate_headers(routing_key), body)
+            headers = self._generate_headers(routing_key)
+            response = await self.forward("POST", b"/generate", headers, body, timeout_s=timeout_s)
             try:
                 content = await self.read(response)
             finally:
@@ -124,12 +133,14 @@ class Upstream:
             raise status_error(response.status, bytes(content))
         return content
 
-    async def open_generate_stream(self, body: bytes, *, routing_key: str | None) -> Response:
+    async def open_generate_stream(
+        self, body: bytes, *, routing_key: str | None, timeout_s: float | None = None
+    ) -> Response:
         """A streamed ``/generate``: the open response (status checked), which the caller must close."""
         headers = [*self._generate_headers(routing_key), (b"accept", b"text/event-stream")]
         started = time.perf_counter()
         try:
-            response = await self.forward("POST", b"/generate", headers, body)
+            response = await self.forward("POST", b"/generate", headers, body, timeout_s=timeout_s)
         finally:
             self._observe("generate_stream", started)
         if response.status >= 400:

@@ -39,6 +39,8 @@ def session_view(session: Session, branch: int | None = None) -> dict[str, Any]:
         | {
             "branch": session.index(chosen),
             "metadata": session.metadata,
+            "closed": session.closed,  # POST /close: no more turns (its samples are being taken)
+            "limits": session.limits.to_json(),  # a trainer's caps (max_context_tokens, max_turns)
             "moe": None if sample.moe is None else {"num_layers": sample.moe.num_layers, "topk": sample.moe.topk},
             "replay": {
                 "routed_experts": "rollout_routed_experts" in arrays,
@@ -49,6 +51,7 @@ def session_view(session: Session, branch: int | None = None) -> dict[str, Any]:
             "weight_versions": sample.weight_versions,
             # what rollout_weight_version_ids index (the turn log has each model turn's spans)
             "weight_version_table": sample.weight_version_table,
+            "trained_versions": sample.trained_versions(),  # the versions its trained tokens span: staleness
             "cached_tokens": sample.cached_tokens,
             "prompt_tokens": sample.prompt_tokens,
             "spec_counters": sample.spec_counters,
@@ -78,7 +81,12 @@ def _sample_summary(sample: SessionSample) -> dict[str, Any]:
 def _branch_summary(session: Session, branch: Branch) -> dict[str, Any]:
     """A branch as the view's ``branches[i]`` shows it: where it stands in the tree, its sample's lengths."""
     meta = session.branch_meta(branch)
-    extra = {"busy": branch.busy, "chat": branch.record is not None, "last_error": last_error(branch.sample)}
+    extra = {
+        "busy": branch.busy,
+        "chat": branch.record is not None,
+        "last_error": last_error(branch.sample),
+        "trained_versions": branch.sample.trained_versions(),
+    }
     return meta | _sample_summary(branch.sample) | extra
 
 
@@ -172,12 +180,15 @@ def sample_metadata(session: Session, branch: Branch | None = None) -> dict[str,
         "prompt_length": str(sample.prompt_length),
         "weight_versions": orjson.dumps(sample.weight_versions).decode(),
         "weight_version_table": orjson.dumps(sample.weight_version_table).decode(),
+        "trained_versions": orjson.dumps(sample.trained_versions()).decode(),
         "cached_tokens": str(sample.cached_tokens),
         "prompt_tokens": str(sample.prompt_tokens),
         "spec_counters": orjson.dumps(sample.spec_counters).decode(),
         "turns": str(len(sample.turns)),
         "metadata": orjson.dumps(session.metadata).decode(),
     }
+    if branch.record is not None:  # a chat branch: slime's flags over its whole conversation
+        meta["chat"] = orjson.dumps(branch.record.slime_flags()).decode()
     if sample.moe is not None:
         meta["num_layers"] = str(sample.moe.num_layers)
         meta["moe_router_topk"] = str(sample.moe.topk)

@@ -12,6 +12,10 @@ Agent / trainer code::
         sample = await session.fetch()                 # RolloutSample: torch tensors + metadata
         sample.to_slime(slime_sample)                  # onto a slime Sample's fields
 
+Agents (Claude Code, Codex, a Python agent) as slime's ``list[Sample]``, with routing and top-p replay:
+``--custom-generate-function-path slime_client.agent.generate`` and ``SLIME_AGENT`` (``slime_client.agent``,
+docs/agents/slime-training.md).
+
 slime users add ONE flag to use the gateway for rollouts (no code changes)::
 
     --custom-generate-function-path slime_client.slime.generate
@@ -40,6 +44,7 @@ from slime_client.errors import (
     UpstreamError,
 )
 from slime_client.sample import RolloutSample, TurnTensors
+from slime_client.staleness import StalenessBound, within_bound
 from slime_client.streaming import TurnDelta, TurnStream
 from slime_client.types import (
     ArraySpec,
@@ -75,9 +80,11 @@ __all__ = [
     "SessionState",
     "SessionSummary",
     "SessionSync",
+    "StalenessBound",
     "TurnDelta",
     "TurnResult",
     "TurnStream",
     "TurnTensors",
     "UpstreamError",
+    "within_bound",
 ]

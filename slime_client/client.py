@@ -24,6 +24,7 @@ import orjson
 from slime_client import _retry
 from slime_client.errors import GatewayResponseError, make_status_error, translate_transport_error
 from slime_client.sample import RolloutSample, SampleBuffers, TurnTensors
+from slime_client.staleness import StalenessBound, keep_within, within_bound
 from slime_client.streaming import TurnStream
 from slime_client.types import DeleteAfterTurn, SessionState, SessionSummary, SessionSync, TurnResult
 from slime_wire.errors import TransportError
@@ -162,10 +163,21 @@ class GatewayClient:
         session_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         sampling_defaults: Mapping[str, Any] | None = None,
+        max_context_tokens: int | None = None,
+        max_turns: int | None = None,
+        resume: bool = False,
     ) -> Session:
         """Start a session from prompt token ids; give ``num_layers`` and ``moe_router_topk`` for routing replay.
-        Without ``prompt_ids``: a chat session, whose first chat request renders the prompt (``openai_base_url``)."""
+        Without ``prompt_ids``: a chat session, whose first chat request renders the prompt (``openai_base_url``).
+        A chat session's caps (a trainer's, slime's): ``max_context_tokens`` (no branch longer: a prompt over it is
+        refused, an answer cut to what is left), ``max_turns`` (model turns; past it chat requests are 429s), and
+        ``sampling_defaults["max_new_tokens"]`` (every answer's length, at most). ``resume``: its token-level turns
+        resubmit an answer the engine aborts mid-way (a weight update), as its chat turns always do (docs:
+        operations/weight-updates)."""
         body = session_body(prompt_ids, num_layers, moe_router_topk, session_id, metadata, sampling_defaults)
+        body.update({k: v for k, v in (("max_context_tokens", max_context_tokens), ("max_turns", max_turns)) if v})
+        if resume:
+            body["resume"] = True
         answer = await self._json("POST", "/v1/sessions", body=body, idempotent=False)
         summary = SessionSummary.from_json(answer)
         return Session(self, summary.session_id, summary=summary)
@@ -204,14 +216,18 @@ class GatewayClient:
         answer = await self._json("GET", "/v1/sessions", idempotent=True)
         return [SessionSummary.from_json(item) for item in answer.get("sessions", [])]
 
-    async def fetch_samples(self, session_ids: Sequence[str]) -> list[RolloutSample]:
+    async def fetch_samples(
+        self, session_ids: Sequence[str], *, staleness: StalenessBound | None = None
+    ) -> list[RolloutSample]:
         """Several sessions' samples in one round trip (``POST /v1/samples``), in the order asked. A chat session
-        whose history was edited holds several trajectories: each is its own sample (``RolloutSample.branch``)."""
+        whose history was edited holds several trajectories: each is its own sample (``RolloutSample.branch``).
+        ``staleness``: the bound on how old the weights of their trained tokens may be (``slime_client.staleness``):
+        samples past it left out, or their too-stale tokens masked."""
         if not session_ids:
             return []
         body = {"session_ids": list(session_ids)}
         content = await self._safetensors("POST", "/v1/samples", body=body, idempotent=True)  # a read
-        return RolloutSample.group_from_safetensors(content)
+        return keep_within(RolloutSample.group_from_safetensors(content), staleness)
 
     # ---- transport -------------------------------------------------------------------------------------------
     async def _json(
@@ -373,6 +389,7 @@ class Session:
         return_routed_experts: bool | None = None,
         sync: SessionSync | None = None,
         stream: Literal[False] = False,
+        resume: bool | None = None,
     ) -> Coroutine[Any, Any, TurnResult]: ...
 
     @overload
@@ -383,6 +400,7 @@ class Session:
         return_routed_experts: bool | None = None,
         sync: SessionSync | None = None,
         stream: Literal[True],
+        resume: bool | None = None,
     ) -> TurnStream: ...
 
     def generate(
@@ -392,6 +410,7 @@ class Session:
         return_routed_experts: bool | None = None,
         sync: SessionSync | None = None,
         stream: bool = False,
+        resume: bool | None = None,
     ) -> Coroutine[Any, Any, TurnResult] | TurnStream:
         """Run one model turn on the session's tokens and fold it in.
 
@@ -399,9 +418,13 @@ class Session:
         instead (``async for`` over ``TurnDelta`` events, then the ``TurnResult``; see ``slime_client.streaming``).
         ``return_routed_experts`` None: whatever the session was created for (routing replay iff it has a
         MoE shape). ``sync``: what the caller believes the session holds (as for ``generate_turn``); with it, a turn
-        whose connection died before any answer is sent again (the gateway runs it at most once).
+        whose connection died before any answer is sent again (the gateway runs it at most once). ``resume``: resubmit
+        the answer if the engine aborts it mid-way (None: the session's default); ``TurnResult.resumed`` says how
+        often it was.
         """
         body = turn_body(sampling_params, return_routed_experts, sync, "never")
+        if resume is not None:
+            body["resume"] = resume
         if stream:
             path = f"{self._path}/generate"
             return TurnStream(self.client, path, body | {"stream": True}, resendable=sync is not None)
@@ -436,6 +459,13 @@ class Session:
         answer = await self.client._json("POST", f"{self._path}/abort", idempotent=False)
         return SessionSummary.from_json(answer)
 
+    async def close(self, wait_timeout_s: float = 5.0) -> dict[str, Any]:
+        """Close the session before taking its samples: every turn asked for from now on is refused; running turns get
+        ``wait_timeout_s`` to end, then are aborted. Answers once they have ended (``drained``), or the abort was
+        not enough (``drained`` false: a turn still holds it). Idempotent (safe to send again)."""
+        body = {"wait_timeout_s": wait_timeout_s}
+        return await self.client._json("POST", f"{self._path}/close", body=body, idempotent=True)
+
     async def append(
         self, token_ids: Sequence[int], text: str | None = None, *, sync: SessionSync | None = None
     ) -> SessionSummary:
@@ -457,17 +487,29 @@ class Session:
         answer = await self.client._json("GET", self._path, params=params, idempotent=True)
         return SessionState.from_json(answer)
 
-    async def fetch(self, branch: int | None = None) -> RolloutSample:
+    @overload
+    async def fetch(self, branch: int | None = None) -> RolloutSample: ...
+
+    @overload
+    async def fetch(self, branch: int | None = None, *, staleness: StalenessBound) -> RolloutSample | None: ...
+
+    async def fetch(
+        self, branch: int | None = None, *, staleness: StalenessBound | None = None
+    ) -> RolloutSample | None:
         """The compact sample (safetensors) as torch tensors: the root branch's, or ``branch``'s (a chat session grows
-        a tree of them: edited histories, side conversations; ``fetch_all`` gets them all)."""
+        a tree of them: edited histories, side conversations; ``fetch_all`` gets them all). ``staleness``: the bound
+        on how old the weights of its trained tokens may be (``slime_client.staleness``): None when a "drop" bound
+        drops it, its too-stale tokens masked under a "mask" one."""
         params = None if branch is None else f"?branch={branch}"
         content = await self.client._safetensors("GET", f"{self._path}/sample{params or ''}", idempotent=True)
-        return RolloutSample.from_safetensors(content)
+        sample = RolloutSample.from_safetensors(content)
+        return sample if staleness is None else within_bound(sample, staleness)
 
-    async def fetch_all(self) -> list[RolloutSample]:
+    async def fetch_all(self, *, staleness: StalenessBound | None = None) -> list[RolloutSample]:
         """Every branch of the session, one sample each, in the order they were started (one for a session that never
-        forked); each sample's metadata says where its branch stands in the tree (``parent``, ``fork_token``, ...)."""
-        return await self.client.fetch_samples([self.session_id])
+        forked); each sample's metadata says where its branch stands in the tree (``parent``, ``fork_token``, ...).
+        ``staleness``: as for ``fetch``, the branches a "drop" bound drops left out."""
+        return await self.client.fetch_samples([self.session_id], staleness=staleness)
 
     @property
     def openai_base_url(self) -> str:

@@ -87,6 +87,9 @@ class RolloutSample:
     # ``Sample`` field: ``to_slime`` leaves it out; read it here for per-token off-policy correction.
     rollout_weight_version_ids: torch.Tensor | None = None
     weight_version_table: list[str] = field(default_factory=list)
+    # The versions its trained tokens come from (the gateway's summary: first, last, count, tokens per version,
+    # unknown_tokens); ``slime_client.staleness`` bounds how far behind they may be.
+    trained_versions: dict[str, Any] = field(default_factory=dict)
     num_layers: int | None = None
     moe_router_topk: int | None = None
     spec_counters: dict[str, int] = field(default_factory=dict)
@@ -102,6 +105,9 @@ class RolloutSample:
     first_difference: int | None = None
     cause: str | None = None
     model: str | None = None
+    # A chat branch: slime's per-sample flags over its whole conversation (``use_tool``, ``ill_formed``); empty for
+    # a token-level session's sample.
+    chat: dict[str, bool] = field(default_factory=dict)
 
     # ---- reading ---------------------------------------------------------------------------------------------
     @classmethod
@@ -148,6 +154,7 @@ class RolloutSample:
                 rollout_routed_experts=tensors.get("rollout_routed_experts"),
                 rollout_weight_version_ids=tensors.get("rollout_weight_version_ids"),
                 weight_version_table=_json_field(meta, "weight_version_table", []),
+                trained_versions=_json_field(meta, "trained_versions", {}),
                 num_layers=_optional_int(meta, "num_layers"),
                 moe_router_topk=_optional_int(meta, "moe_router_topk"),
                 spec_counters=_json_field(meta, "spec_counters", {}),
@@ -160,6 +167,7 @@ class RolloutSample:
                 first_difference=_optional_int(meta, "first_difference"),
                 cause=meta.get("cause") or None,
                 model=meta.get("model") or None,
+                chat=_json_field(meta, "chat", {}),
             )
         except (KeyError, ValueError, orjson.JSONDecodeError) as exc:
             raise GatewayResponseError(f"sample is missing or has an invalid field: {exc!r}") from exc
@@ -180,7 +188,8 @@ class RolloutSample:
 
     def routed_experts_int32(self) -> torch.Tensor | None:
         """Routing as slime trains on it: int32 ``[rows, num_layers, topk]`` (a copy, widened)."""
-        return None if self.rollout_routed_experts is None else self.rollout_routed_experts.to(torch.int32)
+        routed = self.rollout_routed_experts
+        return None if routed is None else routed.to(torch.int32, copy=True)
 
     def check_invariants(self) -> None:
         """docs/protocol.md section 6.6 invariants; raises ``GatewayResponseError`` if the sample breaks them."""
@@ -211,24 +220,32 @@ class RolloutSample:
         return []
 
     # ---- slime -----------------------------------------------------------------------------------------------
-    def to_slime(self, sample: Any) -> Any:
+    def to_slime(self, sample: Any, *, narrow_routing: bool = False) -> Any:
         """Write this sample onto a slime ``Sample`` (duck-typed) with slime's field types; returns ``sample``.
 
         Replaces the response-side fields with the session's (the session is the whole sample). Lists where
-        slime keeps lists; int32 tensors for top-p spans and routed experts (what slime's fold produces).
+        slime keeps lists; int32 tensors for top-p spans and routed experts (what slime's fold produces), copies of
+        their own (a view of the received body would carry the whole body wherever the sample is pickled).
+        ``narrow_routing``: routed experts stored in uint8 (up to 256 experts) stay uint8, a quarter of the bytes
+        and no widening (slime's routing replay widens the rows to int32 when it moves them to the GPU).
         Only slime's own fields: the per-token versions (``rollout_weight_version_ids``, ``weight_version_table``)
         have no ``Sample`` field, so they stay on this object; slime's per-turn ``weight_versions`` is written.
         """
-        sample.tokens = self.tokens.tolist()
+        # numpy's tolist and copies: ~20% and ~2x faster than torch's for these flat CPU arrays
+        sample.tokens = self.tokens.numpy().tolist()
         sample.response = self.response
         sample.response_length = self.response_length
-        sample.loss_mask = self.loss_mask.tolist()
-        sample.rollout_log_probs = self.rollout_log_probs.tolist()
+        sample.loss_mask = self.loss_mask.numpy().tolist()
+        sample.rollout_log_probs = self.rollout_log_probs.numpy().tolist()
         if self.rollout_top_p_token_ids is not None and self.rollout_top_p_token_offsets is not None:
-            sample.rollout_top_p_token_ids = self.rollout_top_p_token_ids.to(torch.int32)
-            sample.rollout_top_p_token_offsets = self.rollout_top_p_token_offsets.to(torch.int32)
-        if self.rollout_routed_experts is not None:
-            sample.rollout_routed_experts = self.routed_experts_int32()
+            sample.rollout_top_p_token_ids = self.rollout_top_p_token_ids.to(torch.int32, copy=True)
+            sample.rollout_top_p_token_offsets = self.rollout_top_p_token_offsets.to(torch.int32, copy=True)
+        routed = self.rollout_routed_experts
+        if routed is not None:
+            keep = narrow_routing and routed.dtype == torch.uint8
+            sample.rollout_routed_experts = (
+                torch.from_numpy(routed.numpy().copy()) if keep else self.routed_experts_int32()
+            )
         sample.weight_versions = list(self.weight_versions)
         sample.status = slime_status(sample, self.status)
         set_prefix_cache_totals(sample, cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens)

@@ -84,6 +84,8 @@ class TurnResult:
     routed_experts_rows_received: int | None = None
     routed_experts_rows: int = 0
     top_p_replay: bool = False
+    resumed: int = 0  # times the engine aborted it mid-answer and it was resubmitted (a weight update)
+    interrupted: dict[str, Any] | None = None  # why it ended before the model ended it (the gateway's error body)
     raw: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -232,10 +232,15 @@ def check_trajectory(
     whose model tokens are ``answers`` (the scripted texts, in order); returns that branch's full view."""
     view = full_view(url, sid, headers, branch)
     assert view["branch"] == branch and len(view["branches"]) == branches, f"branches: {view['branches']}"
+    check_recorded(view, session_sample(url, sid, headers, branch), tokenizer, answers)
+    return view
+
+
+def check_recorded(view: dict[str, Any], arrays: dict[str, np.ndarray], tokenizer: Any, answers: list[str]) -> None:
+    """``check_trajectory`` on a branch's full view and sample as read (``arrays``: its safetensors tensors)."""
     record = view["chat"]["record"]
     messages, tools = template_messages(record)
     assert [m["role"] for m in messages].count("assistant") == len(answers), [m["role"] for m in messages]
-    arrays = session_sample(url, sid, headers, branch)
     tokens, mask = arrays["tokens"].tolist(), arrays["loss_mask"]
     eos = tokenizer.eos_token_id
     expected = render_ids(tokenizer, messages, tools, prompt=False)
@@ -253,4 +258,31 @@ def check_trajectory(
         trained[start : start + len(ids)] = True
     # The sample's loss mask covers the response (what follows the prompt).
     np.testing.assert_array_equal(mask.astype(bool), trained[prompt_length:])
+
+
+def check_turn_by_turn(
+    url: str, sid: str, tokenizer: Any, answers: list[list[int]], headers: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """For a template whose rendering of the earlier turns does not change within the conversation checked (a tool
+    loop after one user turn), and whose model may end a turn on the next message's opening token (GLM) or on one
+    of several stop tokens (harmony): assert the session holds one branch, and before each of the model's answers
+    exactly the template's rendering of the conversation so far, generation prompt included (what the model saw);
+    the answers are ``answers`` (the model's token ids, its stop token included), trained, and nothing else is."""
+    view = full_view(url, sid, headers)
+    assert len(view["branches"]) == 1, f"branches: {view['branches']}"
+    messages, tools = template_messages(view["chat"]["record"])
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assert len(assistant) == len(answers), [m["role"] for m in messages]
+    arrays = session_sample(url, sid, headers)
+    tokens, mask = arrays["tokens"].tolist(), arrays["loss_mask"]
+    trained = np.zeros(len(tokens), dtype=bool)
+    end = 0
+    for index, ids in zip(assistant, answers, strict=True):
+        before = render_ids(tokenizer, messages[:index], tools, prompt=True)
+        assert tokens[: len(before)] == before, f"the tokens before assistant message {index} are not the rendering"
+        assert tokens[len(before) : len(before) + len(ids)] == ids, f"assistant message {index} is not the model's"
+        trained[len(before) : len(before) + len(ids)] = True
+        end = len(before) + len(ids)
+    assert len(tokens) == end, "the session goes on past the last answer"
+    np.testing.assert_array_equal(mask.astype(bool), trained[view["prompt_length"] :])
     return view

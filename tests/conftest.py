@@ -29,7 +29,7 @@ class Service:
 @contextmanager
 def run_simulator(*extra: str) -> Iterator[Service]:
     port = free_port()
-    args = [sys.executable, "-m", "gateway.simulator", "--port", str(port)]
+    args = [sys.executable, "-m", "sglang_sim", "--port", str(port)]
     args += ["--num-layers", str(SIM_LAYERS), "--topk", str(SIM_TOPK), "--num-experts", str(SIM_EXPERTS)]
     args += ["--seed", "0", *extra]
     with start_process(args, port):
@@ -59,7 +59,7 @@ def gateway(simulator: Service) -> Iterator[Service]:
 # ---- chat: a tiny real tokenizer, a simulator speaking it, a gateway with the chat routes ---------------------------
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gateway.simulator.tiny_tokenizer import build_tiny_chat_tokenizer
+    from sglang_sim.tiny_tokenizer import build_tiny_chat_tokenizer
 
     return build_tiny_chat_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
 

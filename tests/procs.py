@@ -1,7 +1,7 @@
 """Run real server processes on 127.0.0.1 for end-to-end tests.
 
     port = free_port()
-    with start_process([sys.executable, "-m", "gateway.simulator", "--port", str(port)], port) as proc:
+    with start_process([sys.executable, "-m", "sglang_sim", "--port", str(port)], port) as proc:
         httpx.get(f"{proc.url}/health")
 
 `start_process` launches the command with the repository root as working directory and on PYTHONPATH, waits
@@ -109,7 +109,7 @@ def start_process(
     timeout: float = 20.0,
     host: str = "127.0.0.1",
 ) -> Iterator[RunningProcess]:
-    """Run `args` (a full argv, e.g. `[sys.executable, "-m", "gateway.simulator", ...]`) until the block exits.
+    """Run `args` (a full argv, e.g. `[sys.executable, "-m", "sglang_sim", ...]`) until the block exits.
 
     `env` adds to (and overrides) the current environment. Raises ProcessStartError if the process exits or is
     not healthy within `timeout` seconds.

@@ -1,4 +1,4 @@
-"""Authentication (README "Security"): API keys on every route but GET /health, the upstream's own key, the
+"""Authentication (docs/operations/security.md): API keys on every route but GET /health, the upstream's own key, the
 refusal to start open on a reachable address, and the SDK / slime drop-in sending the key.
 
 Real gateway processes on 127.0.0.1; the simulator is the upstream, except where what the upstream receives is

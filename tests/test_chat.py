@@ -1,7 +1,7 @@
 """Agent sessions over the chat APIs, driven by the real ``openai`` and ``anthropic`` clients.
 
 A real gateway and a real simulator, both on a tiny real tokenizer made here (byte-level BPE with a tool-calling
-chat template, ``gateway.simulator.tiny_tokenizer``). The simulator answers with scripted text (tool calls, final
+chat template, ``sglang_sim.tiny_tokenizer``). The simulator answers with scripted text (tool calls, final
 answers) through ``/sim/script``, so an agent loop runs deterministically over several turns, streamed and not.
 
 What must hold: token-in-token-out (the session's tokens are exactly the template's rendering of the conversation
@@ -478,6 +478,8 @@ def wait_until(predicate: Any, timeout: float = 10.0) -> None:
 
 
 def test_an_abort_mid_chat_turn_is_folded_and_recorded(chat_gateway: Service, chat_sim: Service) -> None:
+    """The trainer ends the turn (the session's abort route): the session keeps it, aborted and recorded, and the
+    client gets an error in its API's shape (503 turn_aborted), never the cut reply as a final answer."""
     sid = new_session(chat_gateway, moe=False)
     fault = {"mode": "delay", "delay_s": 10, "count": 1}  # past the abort grace: the connection is closed
     assert httpx.post(f"{chat_sim.url}/sim/faults", json=fault).status_code == 200
@@ -486,12 +488,14 @@ def test_an_abort_mid_chat_turn_is_folded_and_recorded(chat_gateway: Service, ch
         pending = pool.submit(openai_chat, client, [{"role": "user", "content": "x"}], stream=False, max_tokens=8)
         wait_until(lambda: view(chat_gateway, sid)["busy"])
         aborted = httpx.post(f"{chat_gateway.url}/v1/sessions/{sid}/abort", timeout=30).json()
-        reply, finish, _ = pending.result(timeout=30)
-    assert aborted["aborted"] is True and finish == "stop"
+        with pytest.raises(openai.InternalServerError) as refused:
+            pending.result(timeout=30)
+    assert aborted["aborted"] is True
+    assert refused.value.status_code == 503 and refused.value.body["code"] == "turn_aborted"
     state = view(chat_gateway, sid)
     assert state["status"] == "aborted" and not state["busy"]
     assert [m["role"] for m in state["chat"]["messages"]] == ["user", "assistant"]
-    assert state["chat"]["messages"][1]["content"] == reply.get("content", "")
+    assert state["chat"]["messages"][1]["content"] == ""  # the delay held the answer: no token came
 
 
 def test_a_streaming_caller_that_leaves_leaves_a_coherent_session(chat_gateway: Service, chat_sim: Service) -> None:

@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load as safetensors_load
 
-from gateway import codec
 from gateway.codec import (
     MAX_WEIGHT_VERSION_SPANS,
     ROUTING_STEP_CHARS,
     VersionSpan,
+    answers,
     check_top_p_spans,
     decode_answer,
     decode_generate_response,
@@ -394,7 +394,7 @@ def test_routing_decoded_in_steps_agrees_with_the_plain_path(
         if chars:
             chars[at % len(chars)] = char
     data = body(routed_experts="".join(chars))
-    with mock.patch.object(codec, "ROUTING_STEP_CHARS", step):
+    with mock.patch.object(answers, "ROUTING_STEP_CHARS", step):
         stepwise = outcome(lambda: decode(data))
     assert stepwise == outcome(lambda: decode(orjson.loads(data)))
 

@@ -48,7 +48,7 @@ STOP_GRACE_S = 10  # `docker stop -t`: SIGTERM, then SIGKILL after this many sec
 SLOW_TURN_DELAY_S = 2.0  # the simulator's delay fault: long enough that SIGTERM lands mid-turn
 ROUTER_READY_TIMEOUT_S = 240.0  # the compose router pip-installs smg when it starts
 CURL_TIMEOUT_S = 30
-# The image listens on 0.0.0.0, so the gateway only starts with a key (README "Security").
+# The image listens on 0.0.0.0, so the gateway only starts with a key (docs/operations/security.md).
 API_KEY = "docker-test-key-7f3a"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 

@@ -93,3 +93,20 @@ def test_chat_agent_example_runs_a_tool_loop(
         assert not any("<tool_response>" in spans[i] for i in (0, 2, 4))
     finally:
         httpx.delete(f"{chat_gateway.url}/v1/sessions/{session_id}")
+
+
+# ---- examples/agent_rl.py: slime_client.agent.generate as slime calls it -------------------------------------------
+def test_agent_rl_example_turns_rollouts_into_slimes_samples(chat_gateway: Service, chat_sim: Service) -> None:
+    args = ["--gateway", chat_gateway.url, "--script-simulator", chat_sim.url, "--samples", "2"]
+    args += ["--num-layers", str(SIM_LAYERS), "--topk", str(SIM_TOPK)]
+    result = run_example("examples/agent_rl.py", *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    samples = [line for line in out.splitlines() if "-> sample:" in line]
+    assert len(samples) == 2
+    for line in samples:
+        assert "reward=1.0" in line and "status=completed" in line and "use_tool=True" in line
+        tokens = int(line.split(" tokens=")[1].split()[0])
+        assert f"rollout_routed_experts=({tokens - 1}, {SIM_LAYERS}, {SIM_TOPK})" in line
+    assert "the samples pass slime's checks" in out
+    assert "sessions left on the gateway by these rollouts: 0" in out

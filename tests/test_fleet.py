@@ -73,9 +73,9 @@ def served_turns(replica: Replica) -> float:
     )
 
 
-def create(url: str, headers: dict[str, str] | None = None) -> str:
+def create(url: str, headers: dict[str, str] | None = None, *, resume: bool = False) -> str:
     sid = f"fleet-{uuid.uuid4().hex[:10]}"
-    body = {"session_id": sid, "prompt_ids": PROMPT}
+    body: dict[str, Any] = {"session_id": sid, "prompt_ids": PROMPT, "resume": resume}
     created = httpx.post(f"{url}/v1/sessions", json=body, headers=headers, timeout=30)
     assert created.status_code == 201, created.text
     return sid
@@ -199,17 +199,16 @@ def test_the_deployment_files_run_the_tested_configuration() -> None:
     assert all(f"GATEWAY_REPLICA_{n}" in config for n in (1, 2, 3))
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__]))
-
 
 # ---- gateway-wide actions ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["redis", "cluster"])
+@pytest.mark.parametrize(("kind", "via"), [("redis", "route"), ("cluster", "route"), ("redis", "passthrough")])
 def test_abort_all_reaches_every_replica(
-    paced: Service, tmp_path: Path, kind: str, request: pytest.FixtureRequest
+    paced: Service, tmp_path: Path, kind: str, via: str, request: pytest.FixtureRequest
 ) -> None:
-    """A turn runs on each of three replicas; ``POST /v1/abort_all`` to one of them ends all three (over the
-    store's channel), each aborted-but-coherent: its tokens so far folded in, the session marked aborted."""
+    """A turn runs on each of three replicas; ``POST /v1/abort_all`` to one of them (or slime's end of a rollout,
+    ``/abort_request {"abort_all": true}`` through its passthrough) ends all three (over the store's channel), each
+    aborted-but-coherent: its tokens so far folded in, the session marked aborted, never resumed (the sessions
+    resume the engine's aborts they did not ask for)."""
     url = request.getfixturevalue("redis_server" if kind == "redis" else "redis_cluster").url
     reason = "end of rollout " + uuid.uuid4().hex[:6]
     long_answer = {"stream": True, "sampling_params": {"max_new_tokens": 400}}  # 8 s
@@ -218,7 +217,7 @@ def test_abort_all_reaches_every_replica(
         while not all(httpx.get(f"{r.url}/health", timeout=5).json()["fleet_channel"] for r in replicas):
             assert time.monotonic() < deadline, "a replica never subscribed to the gateway-wide channel"
             time.sleep(0.05)
-        sids = [create(r.url) for r in replicas]
+        sids = [create(r.url, resume=True) for r in replicas]
 
         def stream(replica: Replica, sid: str) -> bytes:
             with httpx.stream("POST", f"{replica.url}/v1/sessions/{sid}/generate", json=long_answer, timeout=60) as s:
@@ -229,9 +228,13 @@ def test_abort_all_reaches_every_replica(
             while not httpx.get(f"{replica.url}/v1/sessions/{sid}", timeout=10).json()["busy"]:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
-        answer = httpx.post(f"{replicas[0].url}/v1/abort_all", json={"reason": reason}, timeout=30)
-        assert answer.status_code == 200, answer.text
-        assert answer.json()["aborted"] == 1 and answer.json()["published"] is True
+        if via == "route":
+            answer = httpx.post(f"{replicas[0].url}/v1/abort_all", json={"reason": reason}, timeout=30)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["aborted"] == 1 and answer.json()["published"] is True
+        else:
+            answer = httpx.post(f"{replicas[0].url}/abort_request", json={"abort_all": True}, timeout=30)
+            assert answer.status_code == 200, answer.text
         for replica, sid, received in zip(replicas, sids, streams, strict=True):
             assert b'"type":"turn"' in received.result(timeout=30)
             view = httpx.get(f"{replica.url}/v1/sessions/{sid}", timeout=10).json()
@@ -255,3 +258,7 @@ def test_abort_all_on_one_gateway_aborts_its_turns(paced: Service) -> None:
         assert answer == {"aborted": 1, "published": False, "receivers": 0}
         assert running.result().status_code == 200
         assert httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=10).json()["status"] == "aborted"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__]))

@@ -283,3 +283,49 @@ async def test_a_chat_session_against_the_engine(
     assert routing.shape == (len(tokens) - 1, engine.num_layers, engine.topk)
     reference = await full_sequence_routing(direct, engine, tokens)
     np.testing.assert_array_equal(routing, reference[: len(tokens) - 1])
+
+
+# ---- a weight update mid-turn: slime's sequence, SGLang's abort mode --------------------------------------------
+async def test_a_turn_the_engine_aborts_for_a_weight_update_is_resumed(
+    gw: httpx.AsyncClient, direct: httpx.AsyncClient, engine: Engine
+) -> None:
+    """While a streamed token-level turn (resume on) generates, the engine is paused in SGLang's default mode (abort),
+    its weight version bumped and continued, as slime does around an update: the turn comes back whole, one turn,
+    resumed once, its versions switching where the pause landed; the routing rows assembled across the seam equal
+    one full-sequence call's (the weights themselves did not change here, only their version)."""
+    sid = await new_session(gw, engine)
+    n = 160
+    body = {"sampling_params": {"max_new_tokens": n, "ignore_eos": True}, "stream": True, "resume": True}
+    events: list[dict[str, Any]] = []
+    async with gw.stream("POST", f"/v1/sessions/{sid}/generate", json=body) as response:
+        assert response.status_code == 200
+        paused = False
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line.removeprefix("data: ")))
+            if not paused and sum(e["type"] == "delta" for e in events) >= 3:
+                paused = True  # mid-answer: slime's sequence around a weight update
+                assert (await direct.post("/pause_generation", json={})).status_code == 200
+                assert (await direct.post("/flush_cache")).status_code == 200
+                update = {"new_version": "after-update", "abort_all_requests": False}
+                assert (await direct.post("/update_weight_version", json=update)).status_code == 200
+                assert (await direct.post("/continue_generation", json={})).status_code == 200
+    summary = events[-1]
+    assert summary["type"] == "turn", summary
+    streamed = [t for e in events if e["type"] == "delta" for t in e["token_ids"]]
+    assert streamed == summary["new_token_ids"] and len(streamed) == n  # nothing repeated or missing
+    assert (summary["resumed"], summary["status"]) == (1, "truncated")
+    view = (await gw.get(f"/v1/sessions/{sid}")).json()
+    (turn,) = view["turn_log"]
+    spans = turn["weight_version_spans"]
+    assert [s["version"] for s in spans] == ["default", "after-update"], spans
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == n
+    assert 0 < spans[1]["start"] < n and turn["resumed"] == 1
+    arrays = await fetch_sample(gw, sid)
+    tokens = arrays["tokens"].tolist()
+    assert len(tokens) == len(PROMPT) + n and arrays["loss_mask"].all()
+    routing = arrays["rollout_routed_experts"]
+    assert routing.shape == (len(tokens) - 1, engine.num_layers, engine.topk)
+    reference = await full_sequence_routing(direct, engine, tokens)
+    np.testing.assert_array_equal(routing, reference[: len(tokens) - 1])

@@ -254,6 +254,27 @@ def test_output_that_starts_inside_the_reasoning(chat_sim: Service, thinking_dir
         assert message.content == "Hello!" and message.model_extra["reasoning_content"] == "Short and simple."
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_a_call_opened_before_the_reasoning_closed_is_a_call(
+    chat_sim: Service, thinking_dir: Path, stream: bool
+) -> None:
+    """slime's Qwen3.6 flags (``qwen3``, the generation prompt opening ``<think>``): Qwen3.5/3.6 often open a call
+    without ``</think>``. The reasoning ends at ``<tool_call>`` and the call is read (it used to stay inside
+    ``reasoning_content``); the client sends the reply back and the session goes on on the same branch."""
+    with gateway_for(chat_sim, thinking_dir) as gateway:
+        sid = new_session(gateway)
+        script(chat_sim, sid, f"I should look the weather up.\n{CALL}", "Sunny.\n</think>\n\nIt is sunny in Paris.")
+        client = openai_client(gateway, sid)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+        first, finish, _ = openai_chat(client, messages, stream=stream)
+        assert finish == "tool_calls" and first["reasoning_content"] == "I should look the weather up."
+        assert "content" not in first and first["tool_calls"][0]["function"]["name"] == "get_weather"
+        messages += [first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "sunny"}]
+        second, finish, _ = openai_chat(client, messages, stream=stream)
+        assert finish == "stop" and second["content"] == "It is sunny in Paris."
+        assert len(full_view(gateway.url, sid)["branches"]) == 1
+
+
 # ---- templates that rewrite earlier turns ----------------------------------------------------------------------
 def two_user_turns(gateway: Service, sim: Service, sid: str) -> list[dict[str, Any]]:
     script(sim, sid, THINK_FINAL, THINK_NEXT)

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chat.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
+from gateway.chat.reasoning import REASONING_FORMATS, ThinkStream, ThinkTags
 
 QWEN3 = REASONING_FORMATS["qwen3"]
-R1 = REASONING_FORMATS["deepseek_r1"]
-assert QWEN3 is not None and R1 is not None
+R1 = REASONING_FORMATS["deepseek-r1"]
+assert isinstance(QWEN3, ThinkTags) and isinstance(R1, ThinkTags)
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ assert QWEN3 is not None and R1 is not None
         (QWEN3, "<think>a</think>b</think>c", False, ("a", "b</think>c")),
     ],
 )
-def test_split(fmt: ReasoningFormat, text: str, inside: bool, expected: tuple[str | None, str]) -> None:
+def test_split(fmt: ThinkTags, text: str, inside: bool, expected: tuple[str | None, str]) -> None:
     assert fmt.split(text, inside=inside) == expected
 
 
@@ -46,8 +46,8 @@ def test_a_prompt_that_opens_think_starts_inside() -> None:
     assert R1.starts_inside("<|im_start|>assistant\n")
 
 
-def streamed(fmt: ReasoningFormat, pieces: list[str], inside: bool) -> tuple[str, str]:
-    stream = ReasoningStream(fmt, inside=inside)
+def streamed(fmt: ThinkTags, pieces: list[str], inside: bool) -> tuple[str, str]:
+    stream = ThinkStream(fmt, inside=inside)
     reasoning, content = [], []
     for piece in pieces:
         for channel, text in stream.feed(piece):
@@ -88,7 +88,171 @@ def test_streamed_channels_equal_the_whole_split(text: str, cuts: list[int], ins
 
 
 def test_reasoning_streams_before_the_end_tag_arrives() -> None:
-    stream = ReasoningStream(QWEN3, inside=False)
+    stream = ThinkStream(QWEN3, inside=False)
     assert stream.feed("<think>\nStep one") == [("reasoning", "Step one")]
     assert stream.feed(", step two.\n</thi") == [("reasoning", ", step two.")]
     assert stream.feed("nk>\n\nDone.") == [("content", "Done.")]
+
+
+# ---- the other think-tag formats, and the misses SGLang's names brought up -------------------------------------------
+def think(name: str) -> ThinkTags:
+    fmt = REASONING_FORMATS[name]
+    assert isinstance(fmt, ThinkTags)
+    return fmt
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "inside", "expected"),
+    [
+        # Qwen3.5/3.6 open a call before closing their reasoning: the reasoning ends there, the call is content.
+        (
+            "qwen3",
+            "I need the weather.\n<tool_call>\n<function=x>",
+            True,
+            ("I need the weather.", "<tool_call>\n<function=x>"),
+        ),
+        ("qwen3", "<think>Plan.<tool_call>{}</tool_call>", False, ("Plan.", "<tool_call>{}</tool_call>")),
+        ("qwen3", "<think>R</think>A<tool_call>{}</tool_call>", False, ("R", "A<tool_call>{}</tool_call>")),
+        # A call drafted inside the reasoning, then the reasoning closed: the draft is reasoning (as SGLang reads it).
+        (
+            "qwen3",
+            "<think>Draft <tool_call>{}</tool_call>.</think><tool_call>",
+            False,
+            ("Draft <tool_call>{}</tool_call>.", "<tool_call>"),
+        ),
+        # The opening tag repeated (the prompt opened one, the model wrote another): all markup.
+        ("qwen3", "<think>\nR\n</think>\n\nA", True, ("R", "A")),
+        ("qwen3", "<think><think>R</think>A", False, ("R", "A")),
+        ("qwen3", "\n<think>\n<think>\nR</think>A", True, ("R", "A")),
+        ("qwen3-thinking", "R</think>A", False, ("R", "A")),
+        ("deepseek-r1", "<think>R</think>A", False, ("R", "A")),
+        ("deepseek-v3", "R</think>A", True, ("R", "A")),
+        ("deepseek-v3", "Just the answer.", False, (None, "Just the answer.")),
+        (
+            "glm45",
+            "<think>I need to think<tool_call>tool call data",
+            False,
+            ("I need to think", "<tool_call>tool call data"),
+        ),
+        ("glm45", "R</think>\nA", True, ("R", "A")),
+        (
+            "kimi_k2",
+            "<think>Let me read...<|tool_calls_section_begin|>x",
+            False,
+            ("Let me read...", "<|tool_calls_section_begin|>x"),
+        ),
+        ("kimi_k2", "Hello.", False, (None, "Hello.")),
+        ("minimax", "R</think>\n\nA", False, ("R", "A")),
+        ("minimax", "<think>R</think>A", False, ("R", "A")),
+        ("minimax-append-think", "R</think>\n\nA", True, (None, "<think>R</think>\n\nA")),
+        ("minimax-append-think", "A", False, (None, "A")),
+    ],
+)
+def test_think_tag_variants(name: str, text: str, inside: bool, expected: tuple[str | None, str]) -> None:
+    assert think(name).split(text, inside=inside) == expected
+
+
+def test_client_reasoning_in_content_is_split_unless_the_format_keeps_it() -> None:
+    assert QWEN3.split_history("<think>R</think>A") == ("R", "A")
+    assert QWEN3.split_history("A") is None
+    assert think("minimax-append-think").split_history("<think>R</think>A") is None  # the content is the model's
+
+
+# ---- harmony (gpt-oss) --------------------------------------------------------------------------------------------
+HARMONY = REASONING_FORMATS["gpt-oss"]
+CALL_MESSAGE = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}'
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            f"<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant{CALL_MESSAGE}",
+            ("Need it.", f"<|start|>assistant{CALL_MESSAGE}"),
+        ),
+        (CALL_MESSAGE, (None, f"<|start|>assistant{CALL_MESSAGE}")),  # the prompt's <|start|>assistant put back
+        (
+            "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.",
+            ("Think.", "Sunny."),
+        ),
+        ("<|channel|>final<|message|>Sunny.<|return|>", (None, "Sunny.")),
+        (  # a preamble to the user, then the call
+            f"<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant{CALL_MESSAGE}",
+            (None, f"Checking.<|start|>assistant{CALL_MESSAGE}"),
+        ),
+        ("<|channel|>analysis<|message|>A<|end|><|start|>assistant<|channel|>analysis<|message|>B<|end|>", ("AB", "")),
+        ("<|channel|>analysis<|message|>cut short", ("cut short", "")),
+        ("<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>final<|message|>x", ("", "x")),
+        ("plain text, not harmony", (None, "plain text, not harmony")),
+        # Where the text stops being harmony, the rest is content as written; what came before keeps its split.
+        ("<|channel|>analysis<|message|>R<|end|>garbage", ("R", "garbage")),
+        (
+            "<|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>fin",
+            ("R", "<|start|>assistant<|channel|>fin"),
+        ),
+        ("<|channel|>weird<|message|>x<|end|>", (None, "<|channel|>weird<|message|>x<|end|>")),
+        ("<|channel|>analysis<|message|>R<|end|><|start|>user<|message|>hi", ("R", "<|start|>user<|message|>hi")),
+    ],
+)
+def test_harmony_split(text: str, expected: tuple[str | None, str]) -> None:
+    assert HARMONY is not None
+    assert HARMONY.split(text, inside=False) == expected
+
+
+# ---- streamed = whole, every format ---------------------------------------------------------------------------------
+STREAM_FORMATS = sorted(name for name, fmt in REASONING_FORMATS.items() if fmt is not None)
+HARMONY_TEXTS = [
+    f"<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant{CALL_MESSAGE}",
+    "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>",
+    "<|channel|>analysis<|message|>R<|end|>garbage",
+    "<|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>fin",
+    "<|channel",
+    "<|channel|>final<|message|>a <|en",
+]
+_ALPHABET_PIECES = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "<|tool_calls_section_begin|>",
+    "<|channel|>",
+    "analysis",
+    "final",
+    "commentary to=functions.f",
+    "<|message|>",
+    "<|end|>",
+    "<|start|>",
+    "assistant",
+    "<|call|>",
+    "<|return|>",
+    "<",
+    "|",
+    ">",
+    " ",
+    "\n",
+    "a",
+    "b",
+]
+_random_text = st.lists(st.sampled_from(_ALPHABET_PIECES), max_size=20).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    name=st.sampled_from(STREAM_FORMATS),
+    text=st.sampled_from(TEXTS + HARMONY_TEXTS) | _random_text,
+    data=st.data(),
+    inside=st.booleans(),
+)
+def test_every_format_streams_what_it_splits(name: str, text: str, data: st.DataObject, inside: bool) -> None:
+    fmt = REASONING_FORMATS[name]
+    assert fmt is not None
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(text)), max_size=8))))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    stream = fmt.stream(inside=inside)
+    reasoning, content = [], []
+    for piece in pieces:
+        for channel, out in stream.feed(piece):
+            (reasoning if channel == "reasoning" else content).append(out)
+    whole_reasoning, whole_content = fmt.split(text, inside=inside)
+    reasoning.append(stream.finish(whole_reasoning))
+    assert "".join(reasoning) == (whole_reasoning or "")
+    assert whole_content.startswith("".join(content))  # the rest is sent from the parsed reply

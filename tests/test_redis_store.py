@@ -216,6 +216,21 @@ def test_turns_through_either_replica_equal_one_process(simulator: Service, gate
     assert view_a["turns"] == 3 and view_a["status"] in ("completed", "truncated")
 
 
+def test_a_sessions_resume_default_holds_on_every_replica(simulator: Service, redis_server: RedisServer) -> None:
+    """Created with ``resume: true`` on one replica, its turns on another resubmit an answer the engine aborts."""
+    sid = f"resume-{uuid.uuid4().hex[:8]}"
+    with replicas(simulator.url, redis_server.url) as (a, b):
+        create(a, sid, resume=True)
+        assert httpx.post(f"{simulator.url}/sim/faults", json={"mode": "abort"}).status_code == 200
+        turn = post(b, f"/v1/sessions/{sid}/generate", tokens(12))
+        assert (turn["resumed"], turn["completion_tokens"], turn["status"]) == (1, 12, "truncated")
+        plain = f"plain-{uuid.uuid4().hex[:8]}"
+        create(a, plain)
+        assert httpx.post(f"{simulator.url}/sim/faults", json={"mode": "abort"}).status_code == 200
+        turn = post(b, f"/v1/sessions/{plain}/generate", tokens(12))
+        assert (turn["resumed"], turn["completion_tokens"], turn["status"]) == (0, 6, "aborted")
+
+
 def test_a_second_turn_from_another_replica_is_a_409(simulator: Service, store: str) -> None:
     sid = f"busy-{uuid.uuid4().hex[:8]}"
     with replicas(simulator.url, store) as (a, b), httpx.Client(timeout=30) as http:
@@ -271,6 +286,39 @@ def test_a_chat_session_moves_between_replicas(
         assert {name.split("/")[0] for name in arrays[1]} == {"0", "1"}
         for name, array in arrays[0].items():
             np.testing.assert_array_equal(array, arrays[1][name], err_msg=name)
+
+
+def test_a_sessions_caps_and_its_close_hold_on_every_replica(
+    redis_server: RedisServer, tokenizer_dir: Any, chat_sim: Service
+) -> None:
+    """A trainer's caps (created through A) cut and refuse turns through B; a close through B refuses turns through A,
+    in each API's shape, and survives A reloading the session from Redis."""
+    env = redis_env(redis_server.url, f"caps-{uuid.uuid4().hex[:8]}")
+    args = ("--tokenizer", str(tokenizer_dir), "--log-level", "warning")
+    with run_gateway(chat_sim.url, *args, env=env) as a, run_gateway(chat_sim.url, *args, env=env) as b:
+        sid = f"caps-{uuid.uuid4().hex[:8]}"
+        body = {
+            "session_id": sid,
+            "sampling_defaults": {"max_new_tokens": 3},
+            "max_turns": 2,
+            "max_context_tokens": 500,
+        }
+        httpx.post(f"{a.url}/v1/sessions", json=body).raise_for_status()
+        answers = [{"text": "one two three four five six"}]
+        httpx.post(f"{chat_sim.url}/sim/script", json={"rid_prefix": f"{sid}-", "answers": answers}).raise_for_status()
+        chat = {"model": "tiny", "max_tokens": 30, "messages": [{"role": "user", "content": "count"}]}
+        answer = httpx.post(f"{b.url}/v1/sessions/{sid}/chat/completions", json=chat, timeout=30).json()
+        assert answer["usage"]["completion_tokens"] == 3 and answer["choices"][0]["finish_reason"] == "length"
+        assert view(a, sid)["total_tokens"] == view(b, sid)["total_tokens"]  # A reads B's turn: the caps came along
+        closed = httpx.post(f"{b.url}/v1/sessions/{sid}/close", json={"wait_timeout_s": 1}, timeout=30)
+        assert closed.status_code == 200 and closed.json()["drained"] is True
+        messages = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "more"}]}
+        refused = httpx.post(f"{a.url}/v1/sessions/{sid}/v1/messages", json=messages, timeout=30)
+        assert refused.status_code == 409 and refused.json()["error"]["gateway_type"] == "session_closed"
+        with run_gateway(chat_sim.url, *args, env=env) as c:  # a replica that loads the session fresh
+            again = httpx.post(f"{c.url}/v1/sessions/{sid}/chat/completions", json=chat, timeout=30)
+            assert again.status_code == 409 and again.json()["error"]["code"] == "session_closed"
+        assert httpx.delete(f"{a.url}/v1/sessions/{sid}").status_code == 204
 
 
 # ---- a session is its incarnation, not its id ----------------------------------------------------------------------

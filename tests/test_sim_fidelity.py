@@ -25,13 +25,13 @@ import numpy as np
 import pybase64
 import pytest
 
-from gateway.simulator.app import create_app
-from gateway.simulator.engine import SimulatorConfig
+from sglang_sim.app import create_app
+from sglang_sim.engine import SimulatorConfig
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang"
 NON_STREAMED = ("plain", "stop", "routed_experts", "start_len", "aborted")
 WITH_ROUTING = ("routed_experts", "start_len", "aborted")
-# meta_info keys the gateway's codec and fold read (gateway/codec.py), on every final answer.
+# meta_info keys the gateway's codec and fold read (gateway/codec/), on every final answer.
 GATEWAY_META_KEYS = frozenset(
     {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version"}
 )

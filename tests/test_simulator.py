@@ -16,7 +16,7 @@ import pybase64
 import pytest
 from procs import free_port, start_process
 
-from gateway.simulator import SimulatorConfig, create_app
+from sglang_sim import SimulatorConfig, create_app
 
 L, K, E, V = 4, 2, 8, 1000  # the shape every simulator process here runs with
 EOS = V - 1
@@ -26,7 +26,7 @@ TOKEN_DELAY_MS = 20  # the paced simulator: an N-token answer takes N * 20 ms
 @contextmanager
 def _run(*extra: str) -> Iterator[str]:
     port = free_port()
-    args = [sys.executable, "-m", "gateway.simulator", "--port", str(port), "--seed", "0"]
+    args = [sys.executable, "-m", "sglang_sim", "--port", str(port), "--seed", "0"]
     args += ["--num-layers", str(L), "--topk", str(K), "--num-experts", str(E), "--vocab-size", str(V), *extra]
     with start_process(args, port) as proc:
         yield proc.url

@@ -1,7 +1,7 @@
 """The simulator's real-tokenizer vocabulary (`--tokenizer`) and scripted answers (`POST /sim/script`).
 
 In-process simulators (httpx over ASGI) share one tiny chat tokenizer built once for the module; one test runs the
-real `python -m gateway.simulator --tokenizer` process to cover the flag.
+real `python -m sglang_sim --tokenizer` process to cover the flag.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pybase64
 import pytest
 from conftest import Service
 
-from gateway.simulator import SimulatorConfig, create_app
+from sglang_sim import SimulatorConfig, create_app
 
 L, K, E = 4, 2, 8
 PROMPT = list(range(100, 112))
@@ -237,6 +237,21 @@ async def test_stop_token_ids_apply_to_a_scripted_answer(sim: httpx.AsyncClient,
     assert answer["output_ids"] == ids[:cut]
     assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert answer["text"] == token_texts(tokenizer, ids[: cut - 1])  # SGLang trims the matched stop token's text
+
+
+async def test_skip_special_tokens_false_keeps_their_text(sim: httpx.AsyncClient, tokenizer: Any) -> None:
+    """As SGLang: special tokens have no text by default; ``skip_special_tokens: false`` spells them out (the
+    matched stop token's text is still trimmed), in the whole answer and in each streamed chunk."""
+    text = "Before<|im_start|>after"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") in ids
+    await script(sim, "sp-", {"text": text}, {"text": text}, {"text": text})
+    skipped = await generate(sim, body("sp-1"))
+    assert skipped["text"] == "Beforeafter"
+    kept = await generate(sim, body("sp-2", skip_special_tokens=False))
+    assert kept["text"] == text and kept["output_ids"] == [*ids, tokenizer.eos_token_id]
+    events = await stream_events(sim, body("sp-3", skip_special_tokens=False))
+    assert events[-2]["text"] == text and all(text.startswith(e["text"]) for e in events[:-2])
 
 
 async def test_streamed_scripted_answer(sim: httpx.AsyncClient, tokenizer: Any) -> None:

@@ -1,5 +1,5 @@
 """The tool-call parsers (``gateway.chat.tool_parsers``), one layer on its own: each format reads back exactly what its
-chat template writes (the project's templates, ``gateway.simulator.tiny_tokenizer.TOOL_FORMATS``, rendered here with
+chat template writes (the project's templates, ``sglang_sim.tiny_tokenizer.TOOL_FORMATS``, rendered here with
 Jinja as transformers renders them), values typed by the tool's schema, adversarial text (unclosed, nested, garbage,
 huge, unicode, markers inside arguments, text between calls) is all content and ``failed``, and the streamed content
 equals the unary content for any split of the text.
@@ -22,16 +22,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.chat.messages import ChatMessage, Tool
 from gateway.chat.service import ReplySplitter
-from gateway.chat.tool_parsers import (
-    FORMATS,
-    PARSERS,
-    STREAM_SPLITTERS,
-    ParsedCompletion,
-    schema_types,
-    typed_value,
-)
+from gateway.chat.tool_formats.base import schema_types, typed_value
+from gateway.chat.tool_parsers import ALIASES, FORMATS, ParsedCompletion
 from gateway.config import Settings
-from gateway.simulator.tiny_tokenizer import TOOL_FORMATS
+from sglang_sim.tiny_tokenizer import TOOL_FORMATS
 
 NAMES = sorted(FORMATS)
 WEATHER = Tool(
@@ -95,7 +89,7 @@ def written(fmt: str, content: str, calls: list[tuple[str, dict[str, Any]]], ids
 
 
 def parse(fmt: str, text: str, tools: tuple[Tool, ...] = TOOLS) -> ParsedCompletion:
-    return PARSERS[fmt](text, tools)
+    return FORMATS[fmt].parse(text, tools)
 
 
 def arguments(parsed: ParsedCompletion) -> list[tuple[str, Any]]:
@@ -139,8 +133,21 @@ CASES = {
 # ---- each format reads what its template writes ------------------------------------------------------------------
 def test_every_format_is_a_setting() -> None:
     annotation = Settings.model_fields["chat_tool_parser"].annotation
-    assert set(typing.get_args(annotation)) == set(PARSERS) == set(STREAM_SPLITTERS) == set(TOOL_FORMATS)
-    assert set(NAMES) == {"hermes", "qwen3_coder", "glm45", "kimi_k2", "deepseekv31"}
+    assert set(typing.get_args(annotation)) == set(FORMATS) | set(ALIASES)
+    assert set(TOOL_FORMATS) == set(FORMATS)
+    assert set(NAMES) == {
+        "hermes",
+        "qwen3_coder",
+        "glm45",
+        "glm47",
+        "kimi_k2",
+        "deepseekv3",
+        "deepseekv31",
+        "deepseekv32",
+        "minimax-m2",
+        "gpt-oss",
+    }
+    assert ALIASES == {"qwen": "hermes", "qwen25": "hermes", "glm": "glm45"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -279,6 +286,14 @@ def test_markers_inside_arguments_are_text(fmt: str) -> None:
         "<|tool_calls_section_end|>",
         "<｜tool▁call▁end｜>",
         "<｜tool▁calls▁end｜>",
+        "</｜DSML｜parameter>",
+        "</｜DSML｜invoke>",
+        "</｜DSML｜function_calls>",
+        "</invoke>",
+        "</minimax:tool_call>",
+        "<|call|>",
+        "<|start|>assistant",
+        "```",
     )
     query = "a file that says " + " and ".join(markers) + " in it"
     calls = [("search", {"query": query}), ("get_weather", {"city": "</tool_call>\n</function>"})]
@@ -375,6 +390,64 @@ MALFORMED = {
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>Done.",
         "<｜tool▁calls▁begin｜>",
     ],
+    "glm47": [
+        "<tool_call>search<arg_key>query</arg_key><arg_value>x</arg_value>",  # unclosed
+        "<tool_call>search<arg_key>query</arg_key><arg_value>x</tool_call>",  # value unclosed
+        "<tool_call><arg_key>query</arg_key><arg_value>x</arg_value></tool_call>",  # no name
+        "<tool_call>search<arg_key>q</arg_key><arg_value>1</arg_value><arg_key>q</arg_key><arg_value>2</arg_value>"
+        "</tool_call>",
+        "<tool_call>search</tool_call>Done.",
+        "<tool_call>",
+    ],
+    "deepseekv3": [
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n{}\n```<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        # V3.1's form is not V3's
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n[1]\n```<｜tool▁call▁end｜>"
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>\n```json\n{}\n```<｜tool▁call▁end｜>"
+        "<｜tool▁calls▁end｜>",  # no name
+        "<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>",
+    ],
+    "deepseekv32": [
+        '<｜DSML｜function_calls>\n<｜DSML｜invoke name="search">\n</｜DSML｜invoke>',  # unclosed
+        '<｜DSML｜function_calls>\n<｜DSML｜invoke name="search">\n</｜DSML｜function_calls>',  # invoke unclosed
+        '<｜DSML｜function_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="q" string="maybe">x'
+        "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>",
+        '<｜DSML｜function_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="q" string="true">x'
+        "\n</｜DSML｜invoke>\n</｜DSML｜function_calls>",  # parameter unclosed
+        '<｜DSML｜function_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="q" string="true">1'
+        '</｜DSML｜parameter>\n<｜DSML｜parameter name="q" string="true">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        "</｜DSML｜function_calls>",  # a key twice
+        '<｜DSML｜function_calls>\n<｜DSML｜invoke name="">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+        "<｜DSML｜function_calls>\n</｜DSML｜function_calls>",
+        '<｜DSML｜function_calls>\n<｜DSML｜invoke name="search">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>\nDone.',
+        "<｜DSML｜function_calls>",
+    ],
+    "minimax-m2": [
+        '<minimax:tool_call>\n<invoke name="search">\n</invoke>\n',  # unclosed
+        '<minimax:tool_call>\n<invoke name="search">\n</minimax:tool_call>',  # invoke unclosed
+        '<minimax:tool_call>\n<invoke name="search">\n<parameter name="q">x\n</invoke>\n</minimax:tool_call>',
+        '<minimax:tool_call>\n<invoke name="">\n</invoke>\n</minimax:tool_call>',
+        "<minimax:tool_call>\n</minimax:tool_call>",
+        '<minimax:tool_call>\n<invoke name="search">\ngarbage\n</invoke>\n</minimax:tool_call>',
+        '<minimax:tool_call>\n<invoke name="search">\n</invoke>\n</minimax:tool_call>\nDone.',
+        "<minimax:tool_call>",
+    ],
+    "gpt-oss": [
+        '<|start|>assistant<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"q": ',  # cut
+        "<|start|>assistant<|channel|>commentary to=functions.search <|constrain|>json<|message|>[1]",
+        "<|start|>assistant<|channel|>commentary to=browser.search <|constrain|>json<|message|>{}",  # a built-in tool
+        "<|start|>assistant<|channel|>commentary <|constrain|>json<|message|>{}",  # no recipient
+        "<|start|>assistant<|channel|>commentary to=functions.search <|constrain|>python<|message|>{}",
+        "<|start|>user<|channel|>commentary to=functions.search<|message|>{}",
+        "<|start|>assistant<|channel|>commentary to=functions.search<|message|>{}<|call|>Done.",
+        "<|start|>assistant<|channel|>commentary to=functions.search<|message|>{}<|call|>"
+        "<|start|>assistant<|channel|>final<|message|>Done.",  # an answer after the call
+        "<|start|>assistant<|channel|>commentary to=functions.",
+        "<|start|>",
+    ],
 }
 
 
@@ -440,6 +513,23 @@ _PIECES = [
     "<｜tool▁call▁begin｜>",
     "<｜tool▁sep｜>",
     "<｜tool▁call▁end｜>",
+    "<｜DSML｜function_calls>",
+    '<｜DSML｜invoke name="search">',
+    '<｜DSML｜parameter name="query" string="true">',
+    "</｜DSML｜parameter>",
+    "</｜DSML｜invoke>",
+    "</｜DSML｜function_calls>",
+    "<minimax:tool_call>",
+    '<invoke name="search">',
+    '<parameter name="query">',
+    "</parameter>",
+    "</invoke>",
+    "</minimax:tool_call>",
+    "<|start|>assistant",
+    "<|channel|>commentary to=functions.search <|constrain|>json<|message|>",
+    "<|call|>",
+    "function<｜tool▁sep｜>search\n```json\n",
+    "\n```",
     '{"name": "search", "arguments": {"query": "x"}}',
     '{"query": "x"}',
     "search",
@@ -485,7 +575,7 @@ def test_random_text_never_breaks_a_parser(fmt: str, text: str) -> None:
 def stream(fmt: str, text: str, cuts: list[int]) -> tuple[list[str], str, ParsedCompletion]:
     """Feed ``text`` cut at ``cuts`` through the service's splitter (no reasoning parser); the content pieces sent
     while it arrives, what ``finish`` sends, the unary parse."""
-    splitter = ReplySplitter(None, STREAM_SPLITTERS[fmt]())
+    splitter = ReplySplitter(None, FORMATS[fmt].splitter())
     bounds = [0, *sorted(set(cuts)), len(text)]
     sent = []
     for a, b in itertools.pairwise(bounds):
@@ -538,7 +628,49 @@ def test_streaming_one_character_at_a_time(fmt: str) -> None:
 def test_a_long_stream_is_not_quadratic() -> None:
     """One piece at a time over a long answer: each feed looks at the new piece (and what was held back), not the
     whole text again (a quadratic splitter takes minutes here)."""
-    splitter = STREAM_SPLITTERS["hermes"]()
+    splitter = FORMATS["hermes"].splitter()
     word = "token "
     sent = sum(len(splitter.feed(word)) for _ in range(400_000))
     assert sent == len(word) * 400_000 - 1  # the last space held back until more text comes
+
+
+# ---- Kimi-K2's ids ---------------------------------------------------------------------------------------------------
+def kimi(*calls: tuple[str, str], sections: int = 1) -> str:
+    """Calls as Kimi writes them: (id, arguments JSON), in ``sections`` sections one after the other."""
+    written_calls = [f"<|tool_call_begin|>{i}<|tool_call_argument_begin|>{a}<|tool_call_end|>" for i, a in calls]
+    per = -(-len(written_calls) // sections)
+    blocks = [written_calls[n : n + per] for n in range(0, len(written_calls), per)]
+    return "".join(f"<|tool_calls_section_begin|>{''.join(b)}<|tool_calls_section_end|>" for b in blocks)
+
+
+def test_kimi_ids_that_name_no_function_are_resolved_by_the_tools() -> None:
+    """Kimi-K2.5's bare counters (``3``), and client ids the model copied from the history: the one tool, or the one
+    tool whose schema holds every argument key; the id stays as written (the template renders it back)."""
+    parsed = parse("kimi_k2", kimi(("3", '{"query": "x"}')), (SEARCH,))
+    assert [(c.id, c.name) for c in parsed.tool_calls] == [("3", "search")]
+    parsed = parse("kimi_k2", kimi(("0", '{"city": "Tokyo", "days": 2}'), ("call_7f3a", '{"query": "y"}')))
+    assert [(c.id, c.name) for c in parsed.tool_calls] == [("0", "get_weather"), ("call_7f3a", "search")]
+    parsed = parse("kimi_k2", kimi(("toolu_01Ak", '{"city": "x"}'), ("functions.search:7", '{"query": "z"}')))
+    expected = [("toolu_01Ak", "get_weather"), ("functions.search:7", "search")]
+    assert [(c.id, c.name) for c in parsed.tool_calls] == expected
+    for text in (
+        kimi(("0", '{"unknown_key": "v"}')),  # no tool has that key
+        kimi(("0", "{}")),  # nothing to tell the tools apart
+        kimi(("0", '{"city": "x", "query": "y"}')),  # no one tool has both
+        kimi(("we ird", '{"city": "x"}')),
+    ):
+        assert_all_content(parse("kimi_k2", text), text)
+    overlapping = (Tool("a", "", {"properties": {"x": {}}}), Tool("b", "", {"properties": {"x": {}, "y": {}}}))
+    text = kimi(("1", '{"x": 1}'))
+    assert_all_content(parse("kimi_k2", text, overlapping), text)  # two tools fit: which one is a guess
+
+
+def test_kimi_calls_in_several_sections_are_one_answers_calls() -> None:
+    text = "This is a content:" + kimi(
+        ("functions.get_weather:0", '{"city": "London"}'), ("functions.get_weather:1", '{"city": "Delhi"}'), sections=2
+    )
+    parsed = parse("kimi_k2", text)
+    assert parsed.content == "This is a content:"
+    assert arguments(parsed) == [("get_weather", {"city": "London"}), ("get_weather", {"city": "Delhi"})]
+    between = kimi(("functions.search:0", "{}")) + " Now calling next: " + kimi(("functions.search:1", "{}"))
+    assert_all_content(parse("kimi_k2", between), between)

@@ -9,8 +9,8 @@ answers), with routing and top-p replay, then an edited tool result that forks a
 JSON view and the sample: the counts the page shows (tokens, trainable tokens, turns, branches), a hovered token's
 id, text and log-prob, switching branch; logging in with a key (the cookie: HttpOnly, SameSite=Strict, not the key,
 never a URL; it opens reads only); model and tool text that holds markup shown as text. Screenshots go to each test's
-tmp dir; ``UPDATE_INSPECTOR_SCREENSHOT=1`` also writes the README's docs/inspector.png. Render times are printed
-here and measured in the bench (row 16), never asserted.
+tmp dir; ``UPDATE_INSPECTOR_SCREENSHOT=1`` also writes docs/inspector.png (the README's and the docs' screenshot).
+Render times are printed here and measured in the bench (row 16), never asserted.
 """
 
 from __future__ import annotations
@@ -632,4 +632,37 @@ async def test_a_big_session_draws_on_canvases(context: Any, gateway: Service, t
     assert await text(page, "#detail-piece") == "(ids only: the gateway has no --tokenizer)"
     assert await page.evaluate("document.querySelectorAll('*').length") < 3000
     await page.screenshot(path=str(tmp_path / "big.png"), full_page=True)
+    assert watch.errors == [] and watch.dialogs == []
+
+
+async def test_the_token_strip_shows_where_the_weights_changed(
+    context: Any, gateway: Service, simulator: Service, tmp_path: Path
+) -> None:
+    """A weight update mid-answer, then another between turns: the version band names each span and marks the
+    switches; the summary gives the versions the trained tokens span (the view's trained_versions)."""
+    sid = new_session(gateway, prompt_ids=[1, 2, 3, 4], num_layers=SIM_LAYERS, moe_router_topk=SIM_TOPK)
+    generate = {"sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}
+    try:
+        update = {"weight_version": "ui-v1", "after_tokens": 5}
+        assert httpx.post(f"{simulator.url}/sim/weight_version", json=update).status_code == 200
+        assert httpx.post(f"{gateway.url}/v1/sessions/{sid}/generate", json=generate).status_code == 200
+        tool = {"token_ids": [9, 9, 9]}
+        assert httpx.post(f"{gateway.url}/v1/sessions/{sid}/append", json=tool).status_code == 200
+        assert httpx.post(f"{simulator.url}/sim/weight_version", json={"weight_version": "ui-v2"}).status_code == 200
+        assert httpx.post(f"{gateway.url}/v1/sessions/{sid}/generate", json=generate).status_code == 200
+    finally:
+        httpx.post(f"{simulator.url}/sim/reset")  # the shared simulator back on its own weights
+    trained = view(gateway, sid)["trained_versions"]
+    first = trained["first"]
+    assert trained["tokens"] == {first: 5, "ui-v1": 7, "ui-v2": 12} and trained["count"] == 3
+    page, watch = await open_page(context, f"{gateway.url}/ui/sessions/{sid}")
+    assert await text(page, "#count-version-spans") == f"{first} 4–8 · ui-v1 9–15 · ui-v2 19–30"
+    assert await text(page, "#count-versions") == (
+        f"{first} → ui-v2 (3 versions; trained tokens {first}: 5, ui-v1: 7, ui-v2: 12)"
+    )
+    switches = await page.evaluate("document.getElementById('tracks-canvas').dataset.versionSwitches")
+    assert switches == "9,19"
+    await hover_token(page, 12)
+    assert await text(page, "#detail-version") == "ui-v1"
+    await page.screenshot(path=str(tmp_path / "versions.png"))
     assert watch.errors == [] and watch.dialogs == []

@@ -7,6 +7,7 @@ from types import ModuleType
 
 from bench.core import RowFn
 from bench.rows import (
+    agent_finish,
     agent_loop,
     chat_turn,
     cluster_replicas,
@@ -19,6 +20,7 @@ from bench.rows import (
     passthrough,
     redis_turn,
     replicas,
+    resume_turn,
     routing_traffic,
     stream_turn,
     streaming,
@@ -58,4 +60,6 @@ ROWS: tuple[Row, ...] = (
     _row(16, ui_render),
     _row(17, cluster_replicas),
     _row(18, agent_loop),
+    _row(19, agent_finish),
+    _row(20, resume_turn),
 )

@@ -1,7 +1,7 @@
 """Row 13: a chat turn (OpenAI Chat Completions, and the OpenAI Responses API, on a session) against a token-level
 session turn, same answer.
 
-One gateway started with ``--tokenizer`` (the tiny chat tokenizer, ``gateway.simulator.tiny_tokenizer``) before the
+One gateway started with ``--tokenizer`` (the tiny chat tokenizer, ``sglang_sim.tiny_tokenizer``) before the
 shared simulator serves both kinds of session. Each round builds one session of each kind up to the same point, then
 times the same step on both, the order alternating:
 
@@ -258,7 +258,7 @@ def run(ctx: Context) -> RowResult:
             f"{ctx.suite.moe.describe()}, routing + top-p replay (ignore_eos, top-p flag and temperature in the "
             "session's sampling_defaults)",
             "one gateway, started with --tokenizer (the tiny byte-level BPE chat tokenizer of "
-            "gateway.simulator.tiny_tokenizer, ChatML/Qwen-style template) and slime's Qwen3.6 parsers "
+            "sglang_sim.tiny_tokenizer, ChatML/Qwen-style template) and slime's Qwen3.6 parsers "
             "(GATEWAY_CHAT_TOOL_PARSER=qwen3_coder, GATEWAY_CHAT_REASONING_PARSER=qwen3; the chat requests carry one "
             "tool, so each answer goes through both), serves both sides; the simulator answers with its own "
             "vocabulary ids (the gateway does not check them against the tokenizer)",

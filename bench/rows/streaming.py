@@ -18,7 +18,7 @@ import orjson
 from bench.core import Check, Context, RowResult, log, ratio
 from bench.workload import QWEN3_VOCAB, MoE, prompt_ids, simulator_config
 from gateway.codec import CumulativeStreamDecoder
-from gateway.simulator.engine import Engine, GenItem
+from sglang_sim.engine import Engine, GenItem
 
 # "Flat": the per-chunk cost may grow at most this much from the shortest to the longest answer.
 FLAT_BOUND = 2.0
@@ -99,7 +99,7 @@ def run(ctx: Context) -> RowResult:
             f"answers of {', '.join(str(n) for n in shape.lengths)} tokens, cumulative chunks of {shape.chunk_tokens} "
             "new tokens each as SGLang sends them (the simulator's chunk builder: text, output_ids, meta_info with "
             "output_token_logprobs so far); the final chunk excluded",
-            "gateway: gateway.codec.CumulativeStreamDecoder.feed (checked: no full-parse fallback); naive: "
+            "gateway: gateway.codec.stream.CumulativeStreamDecoder.feed (checked: no full-parse fallback); naive: "
             "orjson.loads of every chunk + the unseen items to arrays; time.process_time per batch of "
             f"{BATCH_CHUNKS} chunks, the two taking turns going first, best of {shape.repeat} answers",
             "checked: the gateway's decoder parsed every item exactly once (O(n) work per answer)",

@@ -426,7 +426,7 @@ class EventWriter:
         if self._open is not None:
             out.append(self._close())
         if event.reply is None:
-            out.append(_event("error", error_json(event.error or {})))
+            out.append(_event("error", error_json(event.error or {}, event.error_status)))
             return b"".join(out)
         for call in event.reply.message.tool_calls:
             block = _tool_use(call)

@@ -49,18 +49,6 @@ def convert(value: object, model: type[T], where: str) -> T:
         raise validation_error(exc, where) from None
 
 
-def documented_requests() -> list[type[msgspec.Struct]]:
-    """The chat routes' request models, for the OpenAPI document (``gateway.openapi``)."""
-    from gateway.chat import anthropic, openai, responses
-
-    return [
-        openai.ChatCompletionRequest,
-        anthropic.MessagesRequest,
-        anthropic.CountTokensRequest,
-        responses.ResponsesRequestDoc,
-    ]
-
-
 class ChatRequestError(GatewayError):
     """A request the chat API refuses: 400 ``invalid_request_error`` (``param``: where, when known)."""
 

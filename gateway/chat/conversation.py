@@ -45,6 +45,9 @@ class ChatRecord:
     # Per message: the id of the answer that carried it when the model wrote it and the client may continue from it
     # (the Responses API's previous_response_id), else None.
     responses: tuple[str | None, ...] = ()
+    # The messages the model wrote whose tool-call markup the parser could not read (kept as their text): slime's
+    # ``ill_formed``. Indices into ``messages``, usually none.
+    unparsed: tuple[int, ...] = ()
     tools_key: bytes = field(init=False, repr=False)  # compared with every request's: made once
 
     def __post_init__(self) -> None:
@@ -77,6 +80,7 @@ class ChatRecord:
             "ends": list(self.ends),
             "tools": [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in self.tools],
             "responses": list(self.responses),
+            "unparsed": list(self.unparsed),
         }
 
     @classmethod
@@ -86,7 +90,21 @@ class ChatRecord:
             ends=tuple(value["ends"]),
             tools=tuple(Tool(**tool) for tool in value["tools"]),
             responses=tuple(value.get("responses") or ()),
+            unparsed=tuple(value.get("unparsed") or ()),
         )
+
+    def model_messages(self) -> list[ChatMessage]:
+        """The messages the model wrote (the parent's part of a forked branch's conversation included)."""
+        return [message for message, end in zip(self.messages, self.ends, strict=True) if end is not None]
+
+    def slime_flags(self) -> dict[str, bool]:
+        """slime's per-sample flags over the whole conversation (``TrajectoryManager._chain_to_samples``):
+        ``use_tool``, a message the model wrote calls a tool; ``ill_formed``, one had tool calls that could not be
+        read."""
+        return {
+            "use_tool": any(message.tool_calls for message in self.model_messages()),
+            "ill_formed": bool(self.unparsed),
+        }
 
     def branch_point(self, common: int) -> int:
         """The longest prefix of ``common`` messages that ends with a message the model wrote (0: none)."""
@@ -316,21 +334,31 @@ def apply_plan(store: SessionStore, trajectory: Trajectory, plan: ChatPlan) -> C
 
 
 def record_reply(
-    trajectory: Trajectory, request: ChatRequest, plan: ChatPlan, reply: ChatMessage, response_id: str | None
+    trajectory: Trajectory,
+    request: ChatRequest,
+    plan: ChatPlan,
+    reply: ChatMessage,
+    response_id: str | None,
+    *,
+    unparsed: bool = False,
 ) -> None:
     """The request's messages and the model's reply become the branch's record (``response_id``: the answer's id,
-    when a later request may continue from it)."""
+    when a later request may continue from it; ``unparsed``: the reply had tool-call markup that could not be
+    read)."""
     source = plan.branch if plan.branch is not None else plan.parent
     record: ChatRecord | None = None if source is None else source.record
     kept = record.ends[: plan.history] if record is not None and plan.history else ()
     known = record.responses[: plan.history] if record is not None and plan.history else ()
     recorded = record.messages[: plan.history] if record is not None else ()  # as the model wrote them
     new = len(request.messages) - plan.history
+    earlier = tuple(i for i in record.unparsed if i < plan.history) if record is not None else ()
+    messages = (*recorded, *request.messages[plan.history :], reply)
     trajectory.branch.record = ChatRecord(
-        messages=(*recorded, *request.messages[plan.history :], reply),
+        messages=messages,
         ends=(*kept, *([None] * new), len(trajectory.sample.tokens)),
         tools=request.tools,
         responses=(*known, *([None] * (plan.history - len(known))), *([None] * new), response_id),
+        unparsed=(*earlier, len(messages) - 1) if unparsed else earlier,
     )
 
 

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import msgspec
 import orjson
 
+from gateway.errors import InvalidRequest
+
 Role = Literal["system", "user", "assistant", "tool"]
 ToolChoice = Literal["none", "auto", "required"] | str  # a str other than the three: that function, by name
 Api = Literal["openai", "anthropic", "responses"]
@@ -114,8 +116,11 @@ class Tool(msgspec.Struct, frozen=True):
 
 def tools_key(tools: tuple[Tool, ...]) -> bytes:
     """The tools as canonical JSON, as the template gets them: it renders them into the prompt, so other tools are
-    another prompt."""
-    return orjson.dumps([t.template_dict() for t in tools], option=orjson.OPT_SORT_KEYS)
+    another prompt. A schema that JSON cannot carry (an integer past 64 bits) is the caller's error."""
+    try:
+        return orjson.dumps([t.template_dict() for t in tools], option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError as exc:
+        raise InvalidRequest(f"tools: a schema cannot be written as JSON ({exc})", param="tools") from None
 
 
 def order_tool_results(messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:

@@ -287,7 +287,8 @@ class ChunkWriter:
     def _end(self, event: StreamEvent) -> bytes:
         reply = event.reply
         if reply is None:
-            return b"data: " + orjson.dumps({"error": openai_error_json(event.error or {})}) + b"\n\ndata: [DONE]\n\n"
+            error = openai_error_json(event.error or {}, event.error_status)
+            return b"data: " + orjson.dumps({"error": error}) + b"\n\ndata: [DONE]\n\n"
         out = []
         if reply.message.tool_calls:
             calls = [{"index": i, **_tool_call_json(c)} for i, c in enumerate(reply.message.tool_calls)]

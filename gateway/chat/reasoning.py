@@ -1,114 +1,56 @@
-"""Reasoning parsers: a reasoning model's completion split into its reasoning and its answer, selected by SGLang's
-``--reasoning-parser`` names so that one value serves both.
+"""Reasoning parsers: a reasoning model's completion split into its reasoning and its answer, by SGLang's
+``--reasoning-parser`` names so that one value serves both (slime passes it on as ``--sglang-reasoning-parser``).
 
-``qwen3`` and ``deepseek_r1`` write the reasoning between ``<think>`` and ``</think>``, then the answer. The
-reasoning is the text between the tags, stripped; the content is the text after ``</think>``, its leading whitespace
-stripped. A completion that starts inside the reasoning (the generation prompt opened ``<think>``, as the thinking
-variants' templates do; always for ``deepseek_r1``, whose template opens it) has no opening tag. A completion cut
-before ``</think>`` is all reasoning. Without the tags (and not started inside) the completion is all content.
+A registry: each entry is a format from ``gateway.chat.reasoning_formats`` (``think_tags``: ``<think>`` ...
+``</think>`` and its variants, as parameters; ``gpt_oss``: harmony), one line each. ``GATEWAY_CHAT_REASONING_PARSER``
+takes these names and the aliases below.
 
 Written here rather than imported: SGLang's parsers live inside the engine (torch and all), and these are a few
-string searches.
+string searches and, for harmony, a small state machine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from gateway.chat.reasoning_formats import gpt_oss
+from gateway.chat.reasoning_formats.base import Channel, ReasoningFormat, ReasoningSplitter
+from gateway.chat.reasoning_formats.think_tags import ThinkStream, ThinkTags
 
-from gateway.chat.tool_parsers import partial_marker_length
-
-ReasoningParserName = Literal["none", "qwen3", "deepseek_r1"]
-Channel = Literal["reasoning", "content"]
-
-
-@dataclass(frozen=True, slots=True)
-class ReasoningFormat:
-    name: str
-    start: str = "<think>"
-    end: str = "</think>"
-    always_inside: bool = False  # the output starts inside the reasoning whatever the prompt shows
-
-    def starts_inside(self, prompt_tail: str) -> bool:
-        """Whether a completion that follows ``prompt_tail`` (the end of the rendered prompt) starts inside the
-        reasoning: the generation prompt left a ``<think>`` open."""
-        return self.always_inside or prompt_tail.rfind(self.start) > prompt_tail.rfind(self.end)
-
-    def split(self, text: str, *, inside: bool) -> tuple[str | None, str]:
-        """``(reasoning, content)``; reasoning None when the completion has none."""
-        inside = inside or self.always_inside
-        stripped = text.lstrip()
-        if stripped.startswith(self.start):
-            text, inside = stripped[len(self.start) :], True
-        if not inside:
-            return None, text
-        end = text.find(self.end)
-        if end < 0:
-            return text.strip(), ""
-        return text[:end].strip(), text[end + len(self.end) :].lstrip()
-
+QWEN_TOOL = "<tool_call>"  # SGLang's Qwen3 and GLM-4.5 reasoning parsers end the reasoning at a tool call too
 
 REASONING_FORMATS: dict[str, ReasoningFormat | None] = {
     "none": None,
-    "qwen3": ReasoningFormat("qwen3"),
-    "deepseek_r1": ReasoningFormat("deepseek_r1", always_inside=True),
+    "qwen3": ThinkTags("qwen3", tool_start=QWEN_TOOL),
+    "qwen3-thinking": ThinkTags("qwen3-thinking", always_inside=True, tool_start=QWEN_TOOL),
+    "deepseek-r1": ThinkTags("deepseek-r1", always_inside=True),
+    "deepseek-v3": ThinkTags("deepseek-v3", tool_start=QWEN_TOOL),
+    "glm45": ThinkTags("glm45", tool_start=QWEN_TOOL),
+    "kimi_k2": ThinkTags("kimi_k2", tool_start="<|tool_calls_section_begin|>"),
+    "minimax": ThinkTags("minimax", always_inside=True, tool_start=QWEN_TOOL),
+    "minimax-append-think": ThinkTags("minimax-append-think", append_think=True),
+    "gpt-oss": gpt_oss.FORMAT,
 }
+# The gateway's earlier spelling of SGLang's deepseek-r1.
+ALIASES: dict[str, str] = {"deepseek_r1": "deepseek-r1"}
+NAMES: tuple[str, ...] = (*REASONING_FORMATS, *ALIASES)  # what GATEWAY_CHAT_REASONING_PARSER accepts
 
 
-class ReasoningStream:
-    """Splits a streamed completion into reasoning and content pieces as it arrives, holding back only what is still
-    ambiguous (a partial tag, whitespace that stripping may drop), so that the pieces of each channel joined equal
-    ``ReasoningFormat.split`` of the whole completion."""
+def reasoning_format(name: str) -> ReasoningFormat | None:
+    """The format a configured name (or alias) stands for (None: no reasoning parser); KeyError with the known
+    names when there is none."""
+    canonical = ALIASES.get(name, name)
+    if canonical not in REASONING_FORMATS:
+        raise KeyError(f"unknown reasoning parser {name!r}; known: {', '.join(NAMES)}")
+    return REASONING_FORMATS[canonical]
 
-    def __init__(self, fmt: ReasoningFormat, *, inside: bool) -> None:
-        self.fmt = fmt
-        self._inside = inside or fmt.always_inside  # without an opening tag, the text is reasoning
-        self._mode: Literal["undecided", "reasoning", "content"] = "undecided"
-        self._buffer = ""  # undecided: the text so far; reasoning: the reasoning so far (after the opening tag)
-        self._reasoning_sent = 0  # characters of the stripped reasoning sent
-        self._content_started = False  # content after </think>: leading whitespace is dropped until this is set
 
-    def feed(self, piece: str) -> list[tuple[Channel, str]]:
-        if self._mode == "content":
-            return self._content(piece)
-        self._buffer += piece
-        if self._mode == "undecided":
-            head = self._buffer.lstrip()
-            if not head or (self.fmt.start.startswith(head) and head != self.fmt.start):
-                return []  # could still become the opening tag
-            if head.startswith(self.fmt.start):
-                self._mode, self._buffer = "reasoning", head[len(self.fmt.start) :]
-            elif self._inside:
-                self._mode = "reasoning"
-            else:
-                self._mode, self._content_started = "content", True
-                text, self._buffer = self._buffer, ""
-                return [("content", text)]
-        return self._reasoning()
-
-    def _reasoning(self) -> list[tuple[Channel, str]]:
-        buffer = self._buffer
-        end = buffer.find(self.fmt.end)
-        if end >= 0:
-            out = self._send_reasoning(buffer[:end].strip())
-            self._mode, self._buffer = "content", ""
-            return out + self._content(buffer[end + len(self.fmt.end) :])
-        safe = buffer[: len(buffer) - partial_marker_length(buffer, self.fmt.end)]
-        return self._send_reasoning(safe.strip())
-
-    def _send_reasoning(self, reasoning: str) -> list[tuple[Channel, str]]:
-        new = reasoning[self._reasoning_sent :]
-        self._reasoning_sent = max(self._reasoning_sent, len(reasoning))
-        return [("reasoning", new)] if new else []
-
-    def _content(self, piece: str) -> list[tuple[Channel, str]]:
-        if not self._content_started:
-            piece = piece.lstrip()
-            self._content_started = bool(piece)
-        return [("content", piece)] if piece else []
-
-    def finish(self, reasoning: str | None) -> str:
-        """The reasoning still to send once the completion is whole and split (``reasoning``: its reasoning)."""
-        if reasoning is None or len(reasoning) <= self._reasoning_sent:
-            return ""
-        return reasoning[self._reasoning_sent :]
+__all__ = [
+    "ALIASES",
+    "NAMES",
+    "REASONING_FORMATS",
+    "Channel",
+    "ReasoningFormat",
+    "ReasoningSplitter",
+    "ThinkStream",
+    "ThinkTags",
+    "reasoning_format",
+]

@@ -30,24 +30,38 @@ from gateway.chat.conversation import (
     render_size,
 )
 from gateway.chat.messages import AssistantReply, ChatMessage, ChatRequest, order_tool_results
-from gateway.chat.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
+from gateway.chat.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format
 from gateway.chat.template import ChatTemplate
-from gateway.chat.tool_parsers import PARSERS, STREAM_SPLITTERS, ParsedCompletion, ToolCallStreamSplitter
+from gateway.chat.tool_parsers import (
+    ParsedCompletion,
+    ToolCallFormat,
+    ToolCallStreamSplitter,
+    pairing_error,
+    tool_format,
+)
 from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
     PreviousResponseNotFound,
     RequestTooLarge,
     SessionBusy,
+    SessionClosed,
+    TurnLimitReached,
 )
 from gateway.schemas import TurnCreate
-from gateway.state import GatewayState
 from gateway.store import Session, Trajectory
-from gateway.turns import FoldedTurn, StreamTurn, open_stream_turn, run_turn
+from gateway.turns import FoldedTurn, StreamTurn, TurnRunner
 
 log = logging.getLogger("gateway.chat")
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _smallest(*limits: int | None) -> int | None:
+    known = [limit for limit in limits if limit is not None]
+    return min(known) if known else None
+
+
 # The answer's length when a request names none, the context length unknown and no default configured.
 FALLBACK_MAX_TOKENS = 8192
 
@@ -72,6 +86,7 @@ class ChatResult:
             "total_tokens": summary["total_tokens"],
             "routed_experts_rows": summary["routed_experts_rows"],
             "finish_reason": self.folded.plan.turn.finish_reason,
+            "resumed": self.folded.resumed,  # times the engine aborted it mid-answer and it went on (gateway.resume)
             "render_ms": round(self.render_s * 1e3, 3),
         }
 
@@ -90,18 +105,26 @@ class ChatSettings:
 
 
 class ChatService:
-    """The chat side of one gateway: the tokenizer and template, the output parsers, the conversation policies."""
+    """The chat side of one gateway: the tokenizer and template, the output parsers, the conversation policies; its
+    model turns run through the gateway's turn runner (``runner``: its store, CPU pool and metrics are the chat
+    side's too)."""
 
-    def __init__(self, template: ChatTemplate, settings: ChatSettings | None = None) -> None:
+    def __init__(self, template: ChatTemplate, runner: TurnRunner, settings: ChatSettings | None = None) -> None:
         settings = settings or ChatSettings()
-        if settings.tool_parser not in PARSERS:
-            raise ValueError(f"unknown tool parser {settings.tool_parser!r}; known: {', '.join(sorted(PARSERS))}")
-        if settings.reasoning_parser not in REASONING_FORMATS:
-            known = ", ".join(sorted(REASONING_FORMATS))
-            raise ValueError(f"unknown reasoning parser {settings.reasoning_parser!r}; known: {known}")
+        try:
+            self.tool_format: ToolCallFormat = tool_format(settings.tool_parser)
+            self.reasoning: ReasoningFormat | None = reasoning_format(settings.reasoning_parser)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
+        mismatch = pairing_error(self.tool_format, self.reasoning)
+        if mismatch is not None:
+            raise ValueError(mismatch)
         self.template = template
+        self.runner = runner
+        self.store = runner.store
+        self.metrics = runner.metrics
         self.settings = settings
-        self.reasoning: ReasoningFormat | None = REASONING_FORMATS[settings.reasoning_parser]
+        self.sampling_extra = text_of_special_markers(template, self.tool_format, self.reasoning)
         self.hosted = HostedTools()
 
     @property
@@ -109,59 +132,67 @@ class ChatService:
         return self.settings.context_tokens
 
     # ---- one turn ---------------------------------------------------------------------------------------------
-    async def run(self, state: GatewayState, session_id: str, request: ChatRequest) -> ChatResult:
-        trajectory, request, plan, undo = await self._start(state, session_id, request)
+    async def run(self, session_id: str, request: ChatRequest) -> ChatResult:
+        """One unary turn. A turn that ended before the model ended it (the trainer aborted it, or the engine did and
+        it could not be resumed) is kept in the session, recorded, and raised (``FoldedTurn.error``): its client must
+        not take the cut reply for an answer."""
+        trajectory, request, plan, undo = await self._start(session_id, request)
         try:
             try:
-                folded = await run_turn(state, trajectory, _turn_request(request))
+                folded = await self.runner.run(trajectory, _turn_request(request))
             except BaseException:
                 undo()
                 raise
-            return self._finish(state, trajectory, request, plan, folded)
+            result = self._finish(trajectory, request, plan, folded)
         finally:
-            await state.store.release(trajectory)
+            await self.store.release(trajectory)
+        if folded.error is not None:
+            raise folded.error
+        return result
 
-    async def open_stream(self, state: GatewayState, session_id: str, request: ChatRequest) -> ChatStream:
+    async def open_stream(self, session_id: str, request: ChatRequest) -> ChatStream:
         """Start a streamed turn; errors before the upstream answers are plain errors (the session unchanged)."""
-        trajectory, request, plan, undo = await self._start(state, session_id, request)
+        trajectory, request, plan, undo = await self._start(session_id, request)
         try:
-            stream = ChatStream(self, state, trajectory, request, plan, undo)
+            stream = ChatStream(self, trajectory, request, plan, undo)
             try:
-                stream.turn = await open_stream_turn(state, trajectory, _turn_request(request), on_end=stream.ended)
+                stream.turn = await self.runner.open_stream(trajectory, _turn_request(request), on_end=stream.ended)
             except BaseException:
                 undo()
                 raise
         except BaseException:
-            await state.store.release(trajectory)
+            await self.store.release(trajectory)
             raise
         return stream  # from here the turn's own task releases the branch, whatever the caller does
 
     async def _start(
-        self, state: GatewayState, session_id: str, request: ChatRequest
+        self, session_id: str, request: ChatRequest
     ) -> tuple[Trajectory, ChatRequest, ChatPlan, Callable[[], None]]:
         """Everything before the model turn: the request resolved and planned against the session's tree, the branch
         it continues (or starts) held, its new tokens added; with the undo of those, for when the turn fails."""
-        session = await state.store.get(session_id)
+        session = await self.store.get(session_id)
+        self._admit(session, holding=False)  # before any rendering
         request = self.resolve(session, request)
-        plan = await self._plan(state, session, request)
-        request = self._with_length(request, plan.tokens_after())
-        trajectory = await self._hold(state, session, plan, request)
+        plan = await self._plan(session, request)
+        request = self._with_length(session, request, plan.tokens_after())
+        trajectory = await self._hold(session, plan, request)
         try:
-            undo = self._begin(state, trajectory, plan)
+            self._admit(session, holding=True)  # again, exactly: other requests ran while this one planned
+            undo = self._begin(trajectory, plan)
         except BaseException:
             if plan.branch is None:
-                state.store.drop_branch(trajectory)
-            await state.store.release(trajectory)
+                self.store.drop_branch(trajectory)
+            await self.store.release(trajectory)
             raise
         return trajectory, request, plan, undo
 
-    async def _hold(self, state: GatewayState, session: Session, plan: ChatPlan, request: ChatRequest) -> Trajectory:
+    async def _hold(self, session: Session, plan: ChatPlan, request: ChatRequest) -> Trajectory:
         """Hold the branch the plan continues, or start the one it forks; another turn on that branch is a 409."""
         if plan.branch is None:
-            return await state.store.start_branch(session, plan.new_branch(session, request.model))
-        trajectory = await state.store.hold(session, plan.branch)
+            return await self.store.start_branch(session, plan.new_branch(session, request.model))
+        trajectory = await self.store.hold(session, plan.branch)
         if plan.branch.record is not plan.record or len(plan.branch.sample.tokens) != plan.fork_at:
-            await state.store.release(trajectory)  # another turn changed it while this one was planned
+            await self.store.release(trajectory)  # another turn changed it while this one was planned
             raise SessionBusy(
                 f"branch {trajectory.index} of session {session.session_id!r} changed while this request was "
                 "planned; send it again",
@@ -170,11 +201,11 @@ class ChatService:
             )
         return trajectory
 
-    async def count_tokens(self, state: GatewayState, session_id: str, request: ChatRequest) -> int:
+    async def count_tokens(self, session_id: str, request: ChatRequest) -> int:
         """The prompt a turn with this request would give the model, in tokens (nothing changes)."""
-        session = await state.store.get(session_id)
+        session = await self.store.get(session_id)
         request = self.resolve(session, request)
-        plan = await self._plan(state, session, request, check_context=False)
+        plan = await self._plan(session, request, check_context=False)
         return plan.tokens_after()
 
     # ---- the request, made ready for the conversation logic -------------------------------------------------
@@ -198,7 +229,7 @@ class ChatService:
             messages = tuple(self._split_history_reasoning(m) for m in messages)
         messages = order_tool_results(messages)
         check_history(messages)
-        return replace(request, messages=messages)
+        return replace(request, messages=messages, sampling_params=self.sampling_extra | request.sampling_params)
 
     def _stored_history(self, session: Session, request: ChatRequest) -> tuple[ChatMessage, ...]:
         history = find_response(session, request.previous_response_id or "")
@@ -217,29 +248,72 @@ class ChatService:
 
     def _split_history_reasoning(self, message: ChatMessage) -> ChatMessage:
         assert self.reasoning is not None
-        if message.role != "assistant" or message.reasoning is not None or self.reasoning.start not in message.content:
+        if message.role != "assistant" or message.reasoning is not None:
             return message
-        reasoning, content = self.reasoning.split(message.content, inside=False)
+        split = self.reasoning.split_history(message.content)
+        if split is None:
+            return message
+        reasoning, content = split
         return msgspec.structs.replace(message, reasoning=reasoning, content=content)
 
-    async def _plan(
-        self, state: GatewayState, session: Session, request: ChatRequest, *, check_context: bool = True
-    ) -> ChatPlan:
+    async def _plan(self, session: Session, request: ChatRequest, *, check_context: bool = True) -> ChatPlan:
         settings = self.settings
         match = match_request(session, request, settings.drift_policy)  # comparisons only: on the loop
         # The template and the tokenizer: off the loop when what they render is long.
         size = render_size(self.template, match, request, settings.rewrite_policy)
-        if check_context:  # a text that cannot fit is refused before seconds of encoding
-            self._check_context(match.tokens_before + self.template.fewest_tokens(size), None, at_least=True)
-        plan = await state.run_cpu(size, lambda: plan_match(self.template, match, request, settings.rewrite_policy))
-        if check_context:
-            self._check_context(plan.tokens_after(), request.max_tokens)
+        budget = session.limits.max_context_tokens
+        try:
+            if check_context:  # a text that cannot fit is refused before seconds of encoding
+                fewest = match.tokens_before + self.template.fewest_tokens(size)
+                self._check_context(fewest, None, limit=_smallest(self.context_tokens, budget), at_least=True)
+            plan = await self.runner.cpu.run(
+                size, lambda: plan_match(self.template, match, request, settings.rewrite_policy)
+            )
+            if check_context:
+                prompt = plan.tokens_after()
+                self._check_context(prompt, None, limit=budget)  # the session's budget: the prompt alone
+                # The model's context: with the length the request asked for, as the session's caps cut it.
+                asked = None if request.max_tokens is None else self.answer_length(session, request, prompt)
+                self._check_context(prompt, asked, limit=self.context_tokens)
+        except ContextLengthExceeded as exc:
+            if budget is not None and exc.details["context_tokens"] == budget:
+                self.metrics.chat_refused.labels("context_budget").inc()
+            raise
         return plan
 
-    def _with_length(self, request: ChatRequest, prompt_tokens: int) -> ChatRequest:
-        """The request with the answer's length limit it runs with: its own, else the default."""
-        max_tokens = request.max_tokens if request.max_tokens is not None else self.default_max_tokens(prompt_tokens)
-        return replace(request, max_tokens=max_tokens)
+    def _with_length(self, session: Session, request: ChatRequest, prompt_tokens: int) -> ChatRequest:
+        """The request with the answer's length limit it runs with (``answer_length``)."""
+        return replace(request, max_tokens=self.answer_length(session, request, prompt_tokens))
+
+    def answer_length(self, session: Session, request: ChatRequest, prompt_tokens: int) -> int:
+        """The answer's length limit: the request's own (else the default), cut by the session's caps as slime cuts a
+        turn: its ``sampling_defaults.max_new_tokens`` and what is left of its ``max_context_tokens``."""
+        length = request.max_tokens if request.max_tokens is not None else self.default_max_tokens(prompt_tokens)
+        cap = session.sampling_defaults.get("max_new_tokens")
+        budget = session.limits.max_context_tokens
+        left = None if budget is None else budget - prompt_tokens
+        return min(value for value in (length, cap, left) if value is not None)
+
+    def _admit(self, session: Session, *, holding: bool) -> None:
+        """Refuse a turn on a closed session, or past its ``max_turns`` (``holding``: the request holds a branch
+        already, so the running turns count it)."""
+        try:
+            session.check_open()
+        except SessionClosed:
+            self.metrics.chat_refused.labels("closed").inc()
+            raise
+        cap = session.limits.max_turns
+        if cap is None:
+            return
+        turns = session.model_turns() + sum(1 for branch in session.branches if branch.busy) + (0 if holding else 1)
+        if turns > cap:
+            self.metrics.chat_refused.labels("turn_limit").inc()
+            raise TurnLimitReached(
+                f"session {session.session_id!r} has run its {cap} model turns (max_turns): the rollout ends here",
+                setting="max_turns",
+                limit=cap,
+                session_id=session.session_id,
+            )
 
     def default_max_tokens(self, prompt_tokens: int) -> int:
         left = None if self.context_tokens is None else self.context_tokens - prompt_tokens
@@ -248,9 +322,16 @@ class ChatService:
             return left if left is not None else FALLBACK_MAX_TOKENS
         return configured if left is None else min(configured, left)
 
-    def _check_context(self, prompt_tokens: int, max_tokens: int | None, *, at_least: bool = False) -> None:
-        """``at_least``: ``prompt_tokens`` is a lower bound (the text not encoded yet)."""
-        limit = self.context_tokens
+    def _check_context(
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        *,
+        limit: int | None,
+        at_least: bool = False,
+    ) -> None:
+        """Refuse what does not fit ``limit`` tokens (the model's context, or a session's budget; None: no limit).
+        ``at_least``: ``prompt_tokens`` is a lower bound (the text not encoded yet)."""
         if limit is None:
             return
         if prompt_tokens >= limit:
@@ -270,9 +351,9 @@ class ChatService:
                 max_tokens=max_tokens,
             )
 
-    def _begin(self, state: GatewayState, trajectory: Trajectory, plan: ChatPlan) -> Callable[[], None]:
+    def _begin(self, trajectory: Trajectory, plan: ChatPlan) -> Callable[[], None]:
         if plan.cause is not None:
-            state.metrics.chat_drift.labels(plan.cause).inc()
+            self.metrics.chat_drift.labels(plan.cause).inc()
             parent = plan.parent
             log.info(
                 "session %s: %s (first differing message %s): branch %d, %s",
@@ -284,51 +365,47 @@ class ChatService:
                 if parent is None
                 else f"from token {plan.fork_at} of branch {trajectory.session.index(parent)}",
             )
-        undo = apply_plan(state.store, trajectory, plan)
+        undo = apply_plan(self.store, trajectory, plan)
         try:
-            state.store.check_growth(trajectory)  # room for the answer: the limits, with the new tokens counted
+            self.store.check_growth(trajectory)  # room for the answer: the limits, with the new tokens counted
         except BaseException:
             undo()
             raise
         return undo
 
-    def _finish(
-        self, state: GatewayState, trajectory: Trajectory, request: ChatRequest, plan: ChatPlan, folded: FoldedTurn
-    ) -> ChatResult:
+    def _finish(self, trajectory: Trajectory, request: ChatRequest, plan: ChatPlan, folded: FoldedTurn) -> ChatResult:
         """Parse the reply and record it; cannot fail on the answer's content (malformed calls stay content)."""
-        parsed, reasoning = self.parse(request, plan, folded.plan.turn.text, state)
+        parsed, reasoning = self.parse(request, plan, folded.plan.turn.text)
         reply = self.reply(folded, parsed, reasoning)
         stored = folded.summary["rid"] if request.api == "responses" and request.store else None
-        record_reply(trajectory, request, plan, reply.message, stored)
+        record_reply(trajectory, request, plan, reply.message, stored, unparsed=parsed.failed)
         if trajectory.branch.model is None:
             trajectory.branch.model = request.model
         mode = "stream" if request.stream else "unary"
-        state.metrics.chat_turns.labels(request.api, mode, reply.finish).inc()
+        self.metrics.chat_turns.labels(request.api, mode, reply.finish).inc()
         return ChatResult(trajectory.session_id, trajectory.index, reply, folded, plan.delta.render_s, request)
 
     # ---- parts ------------------------------------------------------------------------------------------------
     def starts_inside_reasoning(self, plan: ChatPlan) -> bool:
         return self.reasoning is not None and self.reasoning.starts_inside(plan.delta.text[-256:])
 
-    def parse(
-        self, request: ChatRequest, plan: ChatPlan, text: str, state: GatewayState | None = None
-    ) -> tuple[ParsedCompletion, str | None]:
+    def parse(self, request: ChatRequest, plan: ChatPlan, text: str) -> tuple[ParsedCompletion, str | None]:
         """The completion as content, tool calls and reasoning."""
         reasoning = None
         if self.reasoning is not None:
             reasoning, text = self.reasoning.split(text, inside=self.starts_inside_reasoning(plan))
         if not request.parse_tool_calls:
             return ParsedCompletion(text, ()), reasoning
-        parsed = PARSERS[self.settings.tool_parser](text, request.tools)
-        if parsed.failed and state is not None:
-            state.metrics.chat_tool_parse_failures.labels(self.settings.tool_parser).inc()
+        parsed = self.tool_format.parse(text, request.tools)
+        if parsed.failed:
+            self.metrics.chat_tool_parse_failures.labels(self.tool_format.name).inc()
         return parsed, reasoning
 
     def splitter(self, request: ChatRequest, plan: ChatPlan) -> ReplySplitter:
         reasoning = None
         if self.reasoning is not None:
-            reasoning = ReasoningStream(self.reasoning, inside=self.starts_inside_reasoning(plan))
-        tools = STREAM_SPLITTERS[self.settings.tool_parser]() if request.parse_tool_calls else None
+            reasoning = self.reasoning.stream(inside=self.starts_inside_reasoning(plan))
+        tools = self.tool_format.splitter() if request.parse_tool_calls else None
         return ReplySplitter(reasoning, tools)
 
     @staticmethod
@@ -342,9 +419,24 @@ class ChatService:
             finish=finish,  # type: ignore[arg-type]
             completion_tokens=turn.num_tokens,
             prompt_tokens=int(summary["prompt_length"]),
-            cached_tokens=turn.cached_tokens,
+            # a resumed turn's counters sum its requests' (gateway.resume): the client's usage is of its prompt
+            cached_tokens=min(turn.cached_tokens, int(summary["prompt_length"])),
             rid=str(summary["rid"]),
         )
+
+
+# What a chat turn asks SGLang for when the parsers' markers are special tokens of the served tokenizer: SGLang
+# leaves special tokens out of the text by default, and a parser cannot read markers that are not there.
+KEEP_SPECIAL_TOKENS = {"skip_special_tokens": False, "spaces_between_special_tokens": False}
+
+
+def text_of_special_markers(
+    template: ChatTemplate, tools: ToolCallFormat, reasoning: ReasoningFormat | None
+) -> dict[str, Any]:
+    """The sampling parameters every chat turn adds (a request's own win): ``KEEP_SPECIAL_TOKENS`` when a marker
+    the parsers read is a special token of the tokenizer (gpt-oss's harmony, Kimi-K2's tool tokens), else none."""
+    markers = {tools.start, *tools.markers, *(reasoning.markers if reasoning is not None else ())}
+    return dict(KEEP_SPECIAL_TOKENS) if markers & template.special_texts else {}
 
 
 def merge_late_system_messages(messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
@@ -373,15 +465,16 @@ def merge_late_system_messages(messages: tuple[ChatMessage, ...]) -> tuple[ChatM
 
 
 def _turn_request(request: ChatRequest) -> TurnCreate:
+    """The chat turn as a token-level turn; resumed when the engine aborts it (a harness cannot resume it itself)."""
     params = {**request.sampling_params, "max_new_tokens": request.max_tokens}
-    return TurnCreate.model_validate({"sampling_params": params, "stream": request.stream})
+    return TurnCreate.model_validate({"sampling_params": params, "stream": request.stream, "resume": True})
 
 
 class ReplySplitter:
     """A streamed completion split as it arrives into reasoning and content, the content holding back what may be
     tool calls; ``finish`` gives what remains of each so that the streamed text equals the unary answer's."""
 
-    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStreamSplitter | None) -> None:
+    def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallStreamSplitter | None) -> None:
         self._reasoning = reasoning
         self._tools = tools
         self._content_sent = 0
@@ -422,12 +515,12 @@ class StreamEvent:
     reply: AssistantReply | None = None  # the end of a turn that was folded (whole, or partial)
     error: dict[str, Any] | None = None  # the end of a failed turn: the gateway's error body
     result: ChatResult | None = None
+    error_status: int = 500  # the error's HTTP status, for the APIs whose error types follow it
 
 
 @dataclass
 class ChatStream:
     service: ChatService
-    state: GatewayState
     trajectory: Trajectory
     request: ChatRequest
     plan: ChatPlan
@@ -441,7 +534,7 @@ class ChatStream:
         if folded is None:
             self.undo()
             return
-        self.result = self.service._finish(self.state, self.trajectory, self.request, self.plan, folded)
+        self.result = self.service._finish(self.trajectory, self.request, self.plan, folded)
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         assert self.turn is not None
@@ -477,6 +570,9 @@ class ChatStream:
         if result is None:  # nothing folded, or not kept: the session is as before the request
             fallback = GatewayError("the turn ended without an answer").to_body()["error"]
             return StreamEvent(end=True, error=error or fallback)
+        ended = result.folded.error
+        if ended is not None:  # kept in the session, but not the model's answer: an error, never a finish
+            return StreamEvent(end=True, error=ended.to_body()["error"], result=result, error_status=ended.status_code)
         assert self._splitter is not None
         reasoning, rest = self._splitter.finish(result.reply.message)
         return StreamEvent(

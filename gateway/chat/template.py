@@ -56,6 +56,10 @@ class ChatTemplate:
         pieces = self._backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
         self.max_token_chars = max(1, *(len(piece) for piece in pieces))
         self.stop_token_ids = frozenset(tokenizer.all_special_ids)
+        # The tokens SGLang leaves out of a completion's text unless asked not to (skip_special_tokens).
+        self.special_texts = frozenset(
+            t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special and t.content
+        ) | frozenset(t for t in tokenizer.all_special_tokens if t)
         # Never in a client's text: NULs and a random part, new in each process.
         self._probe = f"\x00slime-gateway-probe-{uuid.uuid4().hex}\x00"
         self.assistant_close = self._assistant_close()
@@ -158,10 +162,34 @@ class ChatTemplate:
         rest = alone[at_alone + len(self._probe) :]
         after = full[at_full + len(self._probe) :]
         rewrote = full[:at_full] != alone[:at_alone]
-        if not after.startswith(rest):
+        found = self._after_message(rest, after, last_token)
+        if found is None:
             return Continuation(None, rewrote=True)
-        text = self.unwritten_close(last_token) + after[len(rest) :]
-        return Continuation(Rendered(self.encode(text), text, time.perf_counter() - started), rewrote=rewrote)
+        text, reclosed = found
+        rendered = Rendered(self.encode(text), text, time.perf_counter() - started)
+        return Continuation(rendered, rewrote=rewrote or reclosed)
+
+    def _after_message(self, rest: str, after: str, last_token: int) -> tuple[str, bool] | None:
+        """The text that follows the model's last message, from what the template renders after the probe when that
+        message stands alone (``rest``: its calls and close) and when the new messages follow it (``after``). The
+        model wrote the message up to its stop token: what the template closes the message with after that token
+        is still to come (ChatML's newline after ``<|im_end|>``); a stop token that the template renders as the
+        next message's opening (GLM's ``<|observation|>``, ``<|user|>``) is that opening; a stop token the template
+        replaces by another special token once messages follow (harmony's ``<|return|>``, rendered ``<|end|>`` in
+        the history) stands for it, and the message counts as rewritten (True). None: no split fits."""
+        written = self._stop_text(last_token)
+        if written is None:  # the model did not end on a stop token (cut short): all of the close is to come
+            return (self.assistant_close + after[len(rest) :], False) if after.startswith(rest) else None
+        cut = rest.rfind(written)
+        if cut >= 0 and after.startswith(rest[: cut + len(written)]):
+            return after[cut + len(written) :], False
+        if after.startswith(rest) and after.startswith(written, len(rest)):
+            return after[len(rest) + len(written) :], False
+        if cut >= 0 and cut + len(written) == len(rest) and after.startswith(rest[:cut]):
+            close = max((t for t in self.special_texts if after.startswith(t, cut)), key=len, default=None)
+            if close is not None:
+                return after[cut + len(close) :], True
+        return None
 
     def _renders_locally(self) -> bool:
         """Whether a continuation rendered from the history's local context is the one rendered from the whole
@@ -182,14 +210,12 @@ class ChatTemplate:
             return False
         return True
 
-    def unwritten_close(self, last_token: int) -> str:
-        """What the template puts after an assistant message that the model did not generate: all of it, unless the
-        model ended with the stop token the close starts with (``<|im_end|>`` of ``<|im_end|>\\n``)."""
-        if last_token in self.stop_token_ids:
-            written = self.tokenizer.convert_ids_to_tokens(last_token)
-            if isinstance(written, str) and self.assistant_close.startswith(written):
-                return self.assistant_close[len(written) :]
-        return self.assistant_close
+    def _stop_text(self, last_token: int) -> str | None:
+        """The text of the stop token the model ended on; None when its last token is not one."""
+        if last_token not in self.stop_token_ids:
+            return None
+        written = self.tokenizer.convert_ids_to_tokens(last_token)
+        return written if isinstance(written, str) and written else None
 
     def _assistant_close(self) -> str:
         probe = [ChatMessage("user", "hi"), ChatMessage("assistant", self._probe)]

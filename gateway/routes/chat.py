@@ -37,8 +37,18 @@ SSE_HEADERS = {"cache-control": "no-cache"}
 _API_PATH = re.compile(r"^/v1/sessions/[^/]+/(?:(v1)(?:/|$)|(chat|responses|models|completions|embeddings)(?:/|$))")
 
 
+# The chat routes' request models, whose schemas the OpenAPI document makes together (``gateway.openapi.install``):
+# the three APIs' structs of the same name (``MessageIn``) each get a name of their own.
+DOCUMENTED_REQUESTS = (
+    openai.ChatCompletionRequest,
+    anthropic.MessagesRequest,
+    anthropic.CountTokensRequest,
+    responses.ResponsesRequestDoc,
+)
+
+
 # Every chat route may answer these, in its API's own error shape (an ``error`` object with ``type`` and ``message``).
-CHAT_ERRORS = doc.errors(*doc.BODY_ERRORS, *doc.UPSTREAM_ERRORS, 404, 409, 501, 507)
+CHAT_ERRORS = doc.errors(*doc.BODY_ERRORS, *doc.UPSTREAM_ERRORS, 404, 409, 429, 501, 507)
 
 
 def _answers(description: str, answer: dict[str, Any]) -> dict[int | str, dict[str, Any]]:
@@ -105,7 +115,7 @@ async def anthropic_count_tokens(session_id: str, request: Request, state: State
     chat = await state.run_cpu(
         len(raw), lambda: anthropic.parse_count_request(raw, service.hosted), threshold=PARSE_OFFLOAD_BYTES
     )
-    tokens = await service.count_tokens(state, session_id, chat)
+    tokens = await service.count_tokens(session_id, chat)
     return json_response(anthropic.count_json(tokens))
 
 
@@ -132,9 +142,9 @@ async def _chat(session_id: str, request: Request, state: GatewayState, api: Mod
     )
     model = chat.model or Path(service.template.name).name
     if not chat.stream:
-        result = await service.run(state, session_id, chat)
+        result = await service.run(session_id, chat)
         return json_response(api.answer_json(result, model))
-    stream = await service.open_stream(state, session_id, chat)
+    stream = await service.open_stream(session_id, chat)
     writer = api.stream_writer(stream.request, model)
     return StreamingResponse(_events(stream, writer), media_type="text/event-stream", headers=SSE_HEADERS)
 

@@ -1,5 +1,9 @@
 """SGLang-compatible passthrough: bodies are forwarded as bytes, never parsed or re-serialized.
 
+One exception: ``/abort_request`` with ``{"abort_all": true}`` (slime's end of a rollout, sent to its router URL,
+which may be this gateway's) also ends every session turn running in this gateway and, over the shared store, in
+every other replica, never resumed (``TurnRunner.abort_all``, ``gateway.fleet``), before it is forwarded.
+
 This is the gateway's overhead on every plain SGLang call, so it is lean: raw ASGI over ``Upstream.forward`` (the
 one upstream transport, see ``gateway.upstream``), and ``PassthroughMiddleware`` serves these routes ahead of FastAPI's
 exception, routing and dependency layers (~40 us a call). The routes are also registered on the router, which
@@ -9,17 +13,24 @@ serves them when the middleware is not installed and answers 405 to other method
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
+import orjson
 from fastapi import APIRouter
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway import openapi as doc
 from gateway.errors import GatewayError
+from gateway.fleet import publish_abort
 from gateway.state import GatewayState
 from gateway.upstream import FORWARDED_REQUEST_HEADERS, ROUTING_KEY_HEADER
 
 SESSION_HEADER = "x-session-id"
+ABORT_PATH = "/abort_request"
+GATEWAY_WIDE_ABORT = "aborted by /abort_request with abort_all (the trainer's end of a rollout)"
+_ABORT_BODY_BYTES = 64 * 1024  # an abort's body is a few bytes: a bigger one is forwarded, not read
 POST_PATHS = ("/generate", "/abort_request", "/flush_cache")
 GET_PATHS = ("/health_generate", "/get_model_info", "/get_server_info", "/model_info", "/server_info", "/v1/loads")
 
@@ -76,6 +87,9 @@ class Forward:
         scope["route"] = self
         state: GatewayState = scope["app"].state.gateway
         body = await read_body(receive)
+        if self.path == ABORT_PATH and aborts_all(body):
+            await publish_abort(state, GATEWAY_WIDE_ABORT)  # the other replicas' turns too (``gateway.fleet``)
+            state.runner.abort_all(GATEWAY_WIDE_ABORT)
         target = scope["path"].encode()
         if scope["query_string"]:
             target += b"?" + scope["query_string"]
@@ -101,6 +115,23 @@ ROUTES: dict[str, Forward] = {
 }
 for _route in ROUTES.values():
     router.add_route(_route.path, _route, methods=sorted(_route.methods - {"HEAD"}))
+
+
+def aborts_all(body: bytes) -> bool:
+    """Whether an ``/abort_request`` body is SGLang's abort of every request (``{"abort_all": true}``)."""
+    if len(body) > _ABORT_BODY_BYTES or b"abort_all" not in body:
+        return False
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("abort_all") is True
+
+
+def document_paths() -> dict[str, Any]:
+    """These routes in the OpenAPI document (``gateway.openapi.install``'s ``paths``)."""
+    return doc.passthrough_paths(POST_PATHS, GET_PATHS, SESSION_HEADER)
+
 
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 

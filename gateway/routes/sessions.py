@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -12,6 +11,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from gateway import openapi as doc
+from gateway.closing import close_session
 from gateway.codec import safetensors_stream
 from gateway.errors import GatewayError
 from gateway.responses import SAFETENSORS_MEDIA_TYPE, SafetensorsResponse, json_response, safetensors_response
@@ -19,6 +19,8 @@ from gateway.sample import MoEShape, SessionSample, Status
 from gateway.schemas import (
     SampleBatchBody,
     SampleBatchRequest,
+    SessionClose,
+    SessionCloseBody,
     SessionCreate,
     SessionCreateBody,
     ToolAppend,
@@ -27,11 +29,11 @@ from gateway.schemas import (
     TurnCreateBody,
 )
 from gateway.state import GatewayState, StateDep
-from gateway.turns import ABORT_GRACE_S, FoldedTurn, open_stream_turn, run_turn
+from gateway.store import SessionLimits
+from gateway.turns import FoldedTurn, abort_turns
 from gateway.views import full_view, group_payload, sample_payload, session_summary, session_view, turn_payload
 
 router = APIRouter(prefix="/v1", tags=["sessions"])
-ABORT_WAIT_S = ABORT_GRACE_S + 2.0
 FINISHED = frozenset({Status.COMPLETED, Status.TRUNCATED})  # slime never generates for these samples again
 
 
@@ -59,6 +61,8 @@ async def create_session(body: SessionCreateBody, state: StateDep, request: Requ
         session_id=body.session_id,
         metadata=body.metadata,
         sampling_defaults=body.sampling_defaults,
+        limits=SessionLimits(max_context_tokens=body.max_context_tokens, max_turns=body.max_turns),
+        resume=body.resume,
     )
     if body.generate is None:
         return json_response(session_summary(session), status_code=201)
@@ -140,7 +144,7 @@ async def generate(session_id: str, body: TurnCreateBody, state: StateDep, reque
 async def _unary_turn(state: GatewayState, session_id: str, body: TurnCreate) -> FoldedTurn:
     async with state.store.exclusive(session_id) as trajectory:
         state.store.check_growth(trajectory)  # the answer itself is checked again before it is folded
-        folded = await run_turn(state, trajectory, body)
+        folded = await state.runner.run(trajectory, body)
     status = folded.plan.status_after
     if body.delete_after_turn == "always" or (body.delete_after_turn == "if_finished" and status in FINISHED):
         await state.store.delete(session_id)
@@ -162,7 +166,7 @@ async def _stream_turn(session_id: str, body: TurnCreate, state: StateDep) -> Re
     trajectory = await state.store.acquire(session_id)
     try:
         state.store.check_growth(trajectory)
-        turn = await open_stream_turn(state, trajectory, body)
+        turn = await state.runner.open_stream(trajectory, body)
     except BaseException:
         await state.store.release(trajectory)  # nothing was sent to the caller yet: a plain HTTP error
         raise
@@ -184,7 +188,7 @@ async def abort(session_id: str, state: StateDep) -> Response:
     """Abort the running turns (a chat session's branches may each run one); answers once they have ended (tokens so
     far folded in, status aborted)."""
     session = await state.store.get(session_id)
-    turns = [branch.running for branch in session.branches if branch.running is not None]
+    turns = session.running_turns()
     if not turns:
         elsewhere = await state.store.holder(session_id)
         if elsewhere is not None:  # a replica sharing the Redis store runs it: aborts go to the turn's owner
@@ -193,13 +197,30 @@ async def abort(session_id: str, state: StateDep) -> Response:
                 session_summary(session) | {"aborted": False, "detail": detail, "instance_id": elsewhere}
             )
         return json_response(session_summary(session) | {"aborted": False, "detail": "no turn running"})
-    for running in turns:
-        running.abort("abort requested by the caller")
-    finished = all(await asyncio.gather(*(running.wait(ABORT_WAIT_S) for running in turns)))
+    finished = await abort_turns(turns, "abort requested by the caller")
     rids = [running.rid for running in turns]
     return json_response(
         session_summary(session) | {"aborted": True, "rid": rids[0], "rids": rids, "finished": finished}
     )
+
+
+@router.post(
+    "/sessions/{session_id}/close",
+    operation_id="close_session",
+    openapi_extra=doc.json_request(SessionClose, required=False),
+    responses={
+        **doc.answers(
+            200, "the session's summary, and how its turns were drained", (doc.JSON, doc.ref(doc.CloseAnswer))
+        ),
+        **doc.errors(*doc.BODY_ERRORS, 404),
+    },
+)
+async def close(session_id: str, body: SessionCloseBody, state: StateDep) -> Response:
+    """Close the session before taking its samples: from now on every turn asked for is refused (409
+    ``session_closed``, in each chat API's own shape); running turns get ``wait_timeout_s`` to end, then are aborted.
+    Answers once none runs (``drained``), or the wait and the abort are over. Idempotent."""
+    session, drain = await close_session(state.store, state.metrics, session_id, float(body.wait_timeout_s))
+    return json_response(session_summary(session) | drain.to_json())
 
 
 @router.post(
@@ -213,6 +234,7 @@ async def abort(session_id: str, state: StateDep) -> Response:
 )
 async def append(session_id: str, body: ToolAppendBody, state: StateDep) -> Response:
     async with state.store.exclusive(session_id) as trajectory:
+        trajectory.session.check_open()
         if body.sync is not None:
             trajectory.check_sync(body.sync.total_tokens, body.sync.last_tokens)
         state.store.check_growth(trajectory, len(body.token_ids))

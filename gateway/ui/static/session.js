@@ -14,7 +14,7 @@
   const ROLE_COLOURS = ["#8aa4c8", "#3fa36b", "#e8a33d"];
   const VERSION_COLOURS = ["#6c5ce7", "#00a0a0", "#d35400", "#2e86de", "#c2185b", "#7cb342", "#8d6e63", "#546e7a"];
   const GUTTER = 70; // the row labels, left of the tracks
-  const TICK_H = 14, TURN_H = 16, TOK_H = 24, VER_H = 10, LP_H = 64, GAP = 4;
+  const TICK_H = 14, TURN_H = 16, TOK_H = 24, VER_H = 14, LP_H = 64, GAP = 4;
   const MAX_SPACER_PX = 15e6; // below every browser's largest element width
   const TEXT_WINDOW = 1500; // tokens of the text panel around the token shown
   const TOP_P_SHOWN = 32;
@@ -87,8 +87,10 @@
       versionIds: t.rollout_weight_version_ids ? t.rollout_weight_version_ids.data : null,
       versionTable: JSON.parse(meta.weight_version_table || "[]"),
       pieces: meta.pieces ? JSON.parse(meta.pieces) : null,
+      versionSpans: [],
       routed: null, R: 0, L: parseInt(meta.num_layers || "0", 10), K: parseInt(meta.moe_router_topk || "0", 10), E: 0,
     };
+    d.versionSpans = versionSpans(d);
     if (routing && routing.shape.length === 3) {
       [d.R, d.L, d.K] = routing.shape;
       d.routed = routing.data;
@@ -99,6 +101,22 @@
       d.palette = expertPalette(d.E);
     }
     return d;
+  }
+
+  // Runs of the model tokens' weight versions, as absolute positions [start, end): where the weights changed under
+  // the trajectory (a weight update mid-answer, a resumed turn, an update between turns). Tool tokens and tokens of
+  // no known version do not break a run.
+  function versionSpans(d) {
+    const spans = [];
+    if (!d.versionIds) return spans;
+    for (let i = d.P; i < d.N; i++) {
+      const v = d.versionIds[i - d.P];
+      if (d.role[i] !== 1 || v < 0) continue;
+      const last = spans[spans.length - 1];
+      if (last && last.version === v) { last.end = i + 1; last.tokens++; continue; }
+      spans.push({ version: v, name: d.versionTable[v], start: i, end: i + 1, tokens: 1 });
+    }
+    return spans;
   }
 
   function expertLoad(d) {
@@ -292,17 +310,43 @@
         ctx.fillText(label, x(i) + 2, lay.tokY + TOK_H / 2);
       }
     }
-    // weight versions: a band under the model tokens
+    // weight versions: a band under the model tokens, each span named, a line where the weights changed
     fillRuns(ctx, lay.verY, VER_H, (i) => {
       const v = versionOf(d, i);
       return v === null ? (d.role[i] === 2 ? "#eceff3" : null) : VERSION_COLOURS[v % VERSION_COLOURS.length];
     });
+    drawVersionSpans(ctx, d, lay, first, last, x);
     drawLogProbs(ctx, d, lay, first, last, x);
     if (d.routed) drawHeat(ctx, d, lay, plotW);
     drawTurns(ctx, d, lay, first, last, x);
     drawTicks(ctx, d, lay, plotW);
     ctx.restore();
     drawGutter(ctx, d, lay);
+  }
+
+  function drawVersionSpans(ctx, d, lay, first, last, x) {
+    const canvas = document.getElementById("tracks-canvas");
+    canvas.dataset.versionSwitches = d.versionSpans.slice(1).map((span) => span.start).join(",");
+    ctx.font = "10px system-ui, sans-serif";
+    ctx.textBaseline = "middle";
+    d.versionSpans.forEach((span, index) => {
+      if (span.end < first || span.start > last) return;
+      const px = Math.round(x(span.start)) + 0.5;
+      if (index > 0) {
+        ctx.strokeStyle = "#10151f";
+        ctx.lineWidth = 2;
+        ctx.beginPath();
+        ctx.moveTo(px, lay.tokY);
+        ctx.lineTo(px, lay.verY + VER_H);
+        ctx.stroke();
+        ctx.lineWidth = 1;
+      }
+      const room = (span.end - span.start) * S.cw - 6;
+      if (ctx.measureText(span.name).width <= room) {
+        ctx.fillStyle = "#ffffff";
+        ctx.fillText(span.name, Math.max(px, GUTTER) + 3, lay.verY + VER_H / 2 + 0.5);
+      }
+    });
   }
 
   function drawLogProbs(ctx, d, lay, first, last, x) {
@@ -600,7 +644,7 @@
   }
 
   const BRANCH_KEYS = ["status", "total_tokens", "turns", "parent", "fork_token", "first_difference", "cause", "drift", "model"];
-  const BRANCH_SKIP = new Set(["branch", "busy", "chat", "last_error", "prompt_length", "response_length", "created_at", "updated_at", ...BRANCH_KEYS]);
+  const BRANCH_SKIP = new Set(["branch", "busy", "chat", "last_error", "prompt_length", "response_length", "created_at", "updated_at", "trained_versions", ...BRANCH_KEYS]);
 
   function branchLine(b) {
     const parts = [b.status, `${number(b.total_tokens)} tokens`, `${number(b.turns)} turns`];
@@ -609,6 +653,8 @@
     if (b.first_difference !== undefined && b.first_difference !== null) parts.push(`first difference at ${JSON.stringify(b.first_difference)}`);
     for (const key of ["cause", "drift"]) if (b[key] !== undefined && b[key] !== null) parts.push(`cause: ${typeof b[key] === "string" ? b[key] : JSON.stringify(b[key])}`);
     if (b.model) parts.push(`model ${b.model}`);
+    const trained = b.trained_versions;
+    if (trained && trained.count > 1) parts.push(`weights ${trained.first} → ${trained.last} (${trained.count} versions)`);
     for (const [key, value] of Object.entries(b)) {
       if (!BRANCH_SKIP.has(key) && value !== null && value !== undefined) parts.push(`${key}: ${typeof value === "string" ? value : JSON.stringify(value)}`);
     }
@@ -651,12 +697,23 @@
     setText("lowest", d.minPos >= 0 ? `${d.minLp.toFixed(3)} at ${number(d.minPos)}` : "–");
     setText("count-routing", d.routed ? `${number(d.R)} rows · ${d.L} layers × top-${d.K} · ${d.E} experts seen` : "none");
     setText("count-topp", d.topOffsets ? `${number(d.topIds.length)} ids kept` : "none");
-    setText("count-versions", d.versionTable.length ? d.versionTable.join(", ") : "–");
+    setText("count-versions", trainedVersionsText(current.trained_versions));
+    setText("count-version-spans", d.versionSpans.length
+      ? d.versionSpans.map((span) => `${span.name} ${number(span.start)}–${number(span.end - 1)}`).join(" · ") : "–");
     setText("count-error", current.last_error || "none");
     setText("metadata", JSON.stringify(view.metadata || {}));
     const sampleQuery = S.branch === 0 ? "" : `?branch=${S.branch}`;
     document.getElementById("sample-link").href = `/v1/sessions/${encodeURIComponent(sessionId)}/sample${sampleQuery}`;
     document.getElementById("json-link").href = viewPath(S.branch === 0 ? null : S.branch);
+  }
+
+  // The versions the trained tokens span, as the gateway sums them up (the view's trained_versions): what a staleness
+  // bound looks at.
+  function trainedVersionsText(trained) {
+    if (!trained || !trained.count) return "–";
+    const counts = Object.entries(trained.tokens).map(([name, n]) => `${name}: ${number(n)}`).join(", ");
+    const range = trained.count > 1 ? `${trained.first} → ${trained.last}` : trained.first;
+    return `${range} (${trained.count} version${trained.count > 1 ? "s" : ""}; trained tokens ${counts})`;
   }
 
   function renderLegends() {
