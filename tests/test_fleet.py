@@ -199,7 +199,6 @@ def test_the_deployment_files_run_the_tested_configuration() -> None:
     assert all(f"GATEWAY_REPLICA_{n}" in config for n in (1, 2, 3))
 
 
-
 # ---- gateway-wide actions ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("kind", "via"), [("redis", "route"), ("cluster", "route"), ("redis", "passthrough")])
 def test_abort_all_reaches_every_replica(
