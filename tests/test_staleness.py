@@ -7,13 +7,17 @@ weights mid-answer (``/sim/weight_version`` with ``after_tokens``) and between t
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 from conftest import SIM_LAYERS, SIM_TOPK, Service, run_gateway, run_simulator
 
+from bench.reference import Sample
 from slime_client import GatewayClient, RolloutSample, StalenessBound, within_bound
+from slime_client.agent import GatewayAdapter
+from slime_client.agent.settings import AgentSettings
 from slime_client.staleness import keep_within, too_stale, versions_behind
 
 
@@ -157,3 +161,45 @@ async def test_integer_versions_count_updates_and_a_fresh_session_has_none(
     empty = await gw.create_session(prompt_ids=[1, 2])
     none = {"first": None, "last": None, "count": 0, "tokens": {}, "unknown_tokens": 0}
     assert httpx.get(f"{gateway.url}/v1/sessions/{empty.session_id}").json()["trained_versions"] == none
+
+
+# ---- the slime adapter: finish_session and generate's settings ------------------------------------------------------
+async def test_finish_session_keeps_within_the_bound_it_is_given_or_the_adapters(
+    gw: GatewayClient, services: tuple[Service, Service]
+) -> None:
+    """A session whose two answers come from weights "1" and "2": the adapter's bound (mask, 0 behind) stops
+    training the first answer; a bound given to ``finish_session`` wins over it (drop: no sample; 1 behind: all)."""
+    sim, gateway = services
+    adapter = GatewayAdapter(gateway.url, staleness=StalenessBound(max_behind=0, policy="mask"), client=gw)
+
+    async def two_versions() -> str:
+        update(sim, "1")
+        session = await gw.create_session(prompt_ids=[1, 2])
+        await session.generate({"max_new_tokens": 2, "ignore_eos": True})
+        update(sim, "2")
+        await session.generate({"max_new_tokens": 2, "ignore_eos": True})
+        return session.session_id
+
+    (masked,) = await adapter.finish_session(await two_versions(), base_sample=Sample(), reward=1.0)
+    assert list(masked.loss_mask) == [0, 0, 1, 1] and masked.reward == 1.0
+    dropped = await adapter.finish_session(
+        await two_versions(), base_sample=Sample(), staleness=StalenessBound(max_behind=0)
+    )
+    assert dropped == []
+    (whole,) = await adapter.finish_session(
+        await two_versions(), base_sample=Sample(), staleness=StalenessBound(max_behind=1)
+    )
+    assert list(whole.loss_mask) == [1, 1, 1, 1]
+
+
+def test_generate_reads_its_bound_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = SimpleNamespace(gateway_url="http://127.0.0.1:1")
+    assert AgentSettings.from_args(args).staleness is None
+    monkeypatch.setenv("SLIME_AGENT_MAX_STALENESS", "2")
+    monkeypatch.setenv("SLIME_AGENT_STALENESS_POLICY", "mask")
+    assert AgentSettings.from_args(args).staleness == StalenessBound(2, "mask")
+    for name, value in (("SLIME_AGENT_MAX_STALENESS", "-1"), ("SLIME_AGENT_STALENESS_POLICY", "zero")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=name):
+            AgentSettings.from_args(args)
+        monkeypatch.setenv(name, {"SLIME_AGENT_MAX_STALENESS": "2", "SLIME_AGENT_STALENESS_POLICY": "mask"}[name])

@@ -28,6 +28,7 @@ from slime_client.client import GatewayClient, Session
 from slime_client.errors import ConflictError, NotFoundError
 from slime_client.sample import RolloutSample
 from slime_client.slime import gateway_api_key, gateway_url, routing_shape
+from slime_client.staleness import StalenessBound, keep_within
 
 log = logging.getLogger("slime_client.agent")
 
@@ -79,6 +80,7 @@ class GatewayAdapter:
         max_response_tokens: int | None = None,
         max_turns_per_sid: int | None = None,
         split_reward: bool = False,
+        staleness: StalenessBound | None = None,
         client: GatewayClient | None = None,
     ) -> None:
         if (num_layers is None) != (moe_router_topk is None):
@@ -90,6 +92,7 @@ class GatewayAdapter:
         self.max_response_tokens = max_response_tokens
         self.max_turns_per_sid = max_turns_per_sid
         self.split_reward = split_reward
+        self.staleness = staleness  # the default bound of finish_session (``slime_client.staleness``)
         self._client = client
         self._budgets: dict[str, int] = {}  # session id -> its context budget (samples are cut to it)
 
@@ -170,15 +173,17 @@ class GatewayAdapter:
         extra_metadata: Mapping[str, Any] | None = None,
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S,
         split_reward: bool | None = None,
+        staleness: StalenessBound | None = None,
     ) -> list[Any]:
         """The session's trainable branches as copies of ``base_sample`` (``slime_client.agent.samples``), each with
         the whole ``reward`` (``split_reward``: an even share); the session is closed, drained (running turns get
         ``wait_timeout`` seconds, then are aborted) and deleted. Consuming and idempotent: a second call returns
-        ``[]``."""
+        ``[]``. ``staleness`` (default: the adapter's): a branch with trained tokens from weights too many versions
+        old is dropped, or those tokens are not trained (``slime_client.staleness``)."""
         branches = await self.take_branches(session_id, wait_timeout=wait_timeout)
         return self.to_samples(
             session_id,
-            branches or [],
+            self.keep_fresh(branches or [], staleness),
             base_sample=base_sample,
             reward=reward,
             extra_metadata=extra_metadata,
@@ -215,6 +220,16 @@ class GatewayAdapter:
             return None
         await self._delete(session, wait_timeout)
         return branches
+
+    def keep_fresh(self, branches: list[RolloutSample], staleness: StalenessBound | None = None) -> list[RolloutSample]:
+        """The branches the staleness bound keeps (``staleness``, else the adapter's; none: all of them), the
+        too-stale tokens of a "mask" bound no longer trained."""
+        bound = staleness if staleness is not None else self.staleness
+        kept = keep_within(branches, bound)
+        if len(kept) < len(branches):
+            dropped = len(branches) - len(kept)
+            log.info("%d of %d branches dropped: trained tokens past %s", dropped, len(branches), bound)
+        return kept
 
     def to_samples(
         self,

@@ -120,6 +120,7 @@ class AgentRuntime:
             api_key=settings.api_key,
             max_turns_per_sid=settings.max_turns,
             split_reward=settings.split_reward,
+            staleness=settings.staleness,
         )
         try:
             agent = make_agent(settings)
@@ -184,10 +185,13 @@ class AgentRuntime:
         branches = await self.adapter.take_branches(session_id, wait_timeout=self.settings.wait_timeout_s)
         if branches is None:
             raise RolloutFailed("session_lost", "the gateway no longer holds the session (restarted?)")
+        fresh = self.adapter.keep_fresh(branches)
+        if branches and not fresh:
+            raise RolloutFailed("too_stale", f"every branch has trained tokens past {self.adapter.staleness}")
         extra = {"session_id": session_id, "agent": self.settings.agent, **outcome.metadata()}
         samples = self.adapter.to_samples(
             session_id,
-            branches,
+            fresh,
             base_sample=sample,
             reward=reward,
             extra_metadata=extra,

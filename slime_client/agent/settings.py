@@ -21,6 +21,8 @@ function is configured there, as slime's own agent examples do).
 | ``SLIME_AGENT_MAX_TURNS`` (or ``args.max_turns_per_sid``) | none | model turns per session; past it a 429 |
 | ``SLIME_AGENT_SPLIT_REWARD`` | off | divide the reward evenly over a rollout's samples (slime gives each all of it) |
 | ``SLIME_AGENT_WAIT_TIMEOUT_S`` | 5 | at the end, how long running turns may take before they are aborted |
+| ``SLIME_AGENT_MAX_STALENESS`` | none | weight versions a trained token may be behind the newest the sample met |
+| ``SLIME_AGENT_STALENESS_POLICY`` | ``drop`` | past that bound: ``drop`` the branch, or ``mask`` its too-stale tokens |
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import shlex
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from slime_client.slime import gateway_api_key, gateway_url
+from slime_client.staleness import POLICIES, StalenessBound, StalePolicy
 
 DEFAULT_AGENT = "claude_code"
 DEFAULT_TIME_BUDGET_S = 1800.0
@@ -87,6 +90,7 @@ class AgentSettings:
     max_turns: int | None
     split_reward: bool
     wait_timeout_s: float
+    staleness: StalenessBound | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> AgentSettings:
@@ -118,7 +122,20 @@ class AgentSettings:
             max_turns=None if max_turns is None else int(max_turns),
             split_reward=_flag("SLIME_AGENT_SPLIT_REWARD"),
             wait_timeout_s=_positive("SLIME_AGENT_WAIT_TIMEOUT_S", 5.0),
+            staleness=_staleness(),
         )
+
+
+def _staleness() -> StalenessBound | None:
+    """``SLIME_AGENT_MAX_STALENESS`` (an int >= 0) with ``SLIME_AGENT_STALENESS_POLICY``; none set: no bound."""
+    raw, policy = _env("SLIME_AGENT_MAX_STALENESS"), _env("SLIME_AGENT_STALENESS_POLICY", "drop")
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"SLIME_AGENT_MAX_STALENESS must be a whole number of weight versions >= 0, not {raw!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"SLIME_AGENT_STALENESS_POLICY must be one of {', '.join(POLICIES)}, not {policy!r}")
+    return StalenessBound(int(raw), cast(StalePolicy, policy))
 
 
 def _checkpoint_name(args: Any) -> str:
