@@ -78,7 +78,8 @@ def create_app(settings: Settings, connections: ConnectionGuard | None = None, d
         # costs microseconds instead of ~25 ms with the GIL held, i.e. a ~25 ms event-loop stall.
         gc.freeze()
         sweeper = asyncio.create_task(_expire_idle_sessions(state), name="session-ttl")
-        listener = asyncio.create_task(state.store.listen(FleetListener(state).on_message), name="fleet-actions")
+        fleet = FleetListener(runner, instance_id)
+        listener = asyncio.create_task(state.store.listen(fleet.on_message), name="fleet-actions")
         log.info("gateway %s (instance %s) -> upstream %s", __version__, state.instance_id, settings.upstream_base)
         log.info(
             "limits: %d request body bytes, %d tokens per session, %s session bytes in all",

@@ -8,7 +8,7 @@ in-memory store there is one replica, and the action is only local.
 
 Actions:
 - ``abort_all``: every turn running on any replica ends, aborted-but-coherent, its tokens so far folded in (each
-  replica's ``GatewayState.abort_running_turns``): ``POST /v1/abort_all``, and slime's end-of-rollout
+  replica's ``TurnRunner.abort_running_turns``): ``POST /v1/abort_all``, and slime's end-of-rollout
   ``abort_request {"abort_all": true}`` through the passthrough, which publishes it before it forwards it to the
   engine. A turn on another replica that the engine aborts before the message arrives may be resubmitted once (it
   looked like a weight update's abort); the message then aborts that continuation, so the turn still ends aborted.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gateway.state import GatewayState
+    from gateway.turns import TurnRunner
 
 log = logging.getLogger("gateway.fleet")
 
@@ -46,23 +46,23 @@ class FleetAbort:
         return {"aborted": self.aborted, "published": self.published, "receivers": self.receivers}
 
 
-async def abort_everywhere(state: GatewayState, reason: str) -> FleetAbort:
+async def abort_everywhere(runner: TurnRunner, instance_id: str, reason: str) -> FleetAbort:
     """Abort every running turn on every replica: this one's now (it answers once they ended), the others' as the
     message reaches them. A store that cannot publish (Redis down) still aborts here, and says so."""
-    running = len(state.store.running_turns())
-    published, receivers = await publish_abort(state, reason)
-    await state.abort_running_turns(reason)
+    running = len(runner.store.running_turns())
+    published, receivers = await publish_abort(runner, instance_id, reason)
+    await runner.abort_running_turns(reason)
     return FleetAbort(running, published, receivers)
 
 
-async def publish_abort(state: GatewayState, reason: str) -> tuple[bool, int]:
+async def publish_abort(runner: TurnRunner, instance_id: str, reason: str) -> tuple[bool, int]:
     """Tell the other replicas to abort their running turns: (whether it went out, how many subscribers Redis
     counted). Never raises: the caller's own abort must happen whatever the store does."""
-    if not state.store.shared:
+    if not runner.store.shared:
         return False, 0
-    message = {"action": ABORT_ALL, "reason": reason, "origin": state.instance_id}
+    message = {"action": ABORT_ALL, "reason": reason, "origin": instance_id}
     try:
-        return True, await state.store.broadcast(message)
+        return True, await runner.store.broadcast(message)
     except Exception as exc:
         log.warning("abort_all: could not reach the other replicas: %s", exc)
         return False, 0
@@ -71,17 +71,18 @@ async def publish_abort(state: GatewayState, reason: str) -> tuple[bool, int]:
 class FleetListener:
     """Acts on the gateway-wide actions other replicas publish (``SessionStore.listen`` calls ``on_message``)."""
 
-    def __init__(self, state: GatewayState) -> None:
-        self.state = state
+    def __init__(self, runner: TurnRunner, instance_id: str) -> None:
+        self.runner = runner
+        self.instance_id = instance_id
         self._tasks: set[asyncio.Task[None]] = set()
 
     def on_message(self, message: dict[str, Any]) -> None:
-        if message.get("origin") == self.state.instance_id:
+        if message.get("origin") == self.instance_id:
             return  # its own: acted on when it was sent
         if message.get("action") == ABORT_ALL:
             reason = str(message.get("reason") or "aborted on every gateway replica")
             log.info("abort_all from gateway instance %s: %s", message.get("origin"), reason)
-            task = asyncio.create_task(self.state.abort_running_turns(reason), name="fleet-abort-all")
+            task = asyncio.create_task(self.runner.abort_running_turns(reason), name="fleet-abort-all")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:

@@ -41,9 +41,9 @@ DOCS = REPO_ROOT / "docs"
 README = REPO_ROOT / "README.md"
 README_MAX_LINES = 260
 BIN = Path(sys.executable).parent
-# GATEWAY_* names in the docs that are not gateway settings: the compose file's image variable, and the variable the
-# harness examples keep the gateway's key in.
-NOT_SETTINGS = frozenset({"GATEWAY_IMAGE", "GATEWAY_KEY"})
+# GATEWAY_* names in the docs that are not gateway settings: the compose file's image variable, the variable the
+# harness examples keep the gateway's key in, and docker/haproxy.cfg's replica addresses.
+NOT_SETTINGS = frozenset({"GATEWAY_IMAGE", "GATEWAY_KEY", *(f"GATEWAY_REPLICA_{n}" for n in (1, 2, 3))})
 
 
 def load_hooks() -> ModuleType:

@@ -26,4 +26,4 @@ async def abort_all(body: AbortAllBody, state: StateDep) -> Response:
     """Abort every running turn on every gateway replica (slime's end of a rollout): each ends aborted-but-coherent,
     its tokens so far folded in. Answers once this replica's turns ended; the others' end as the message reaches
     them (Redis pub/sub)."""
-    return json_response((await abort_everywhere(state, body.reason)).to_json())
+    return json_response((await abort_everywhere(state.runner, state.instance_id, body.reason)).to_json())

@@ -88,7 +88,8 @@ class Forward:
         state: GatewayState = scope["app"].state.gateway
         body = await read_body(receive)
         if self.path == ABORT_PATH and aborts_all(body):
-            await publish_abort(state, GATEWAY_WIDE_ABORT)  # the other replicas' turns too (``gateway.fleet``)
+            # the other replicas' turns too (``gateway.fleet``)
+            await publish_abort(state.runner, state.instance_id, GATEWAY_WIDE_ABORT)
             state.runner.abort_all(GATEWAY_WIDE_ABORT)
         target = scope["path"].encode()
         if scope["query_string"]:
