@@ -57,6 +57,7 @@ EVENT_STREAM = b"text/event-stream"
 USER_AGENT = b"slime-client"
 # The gateway's API key when ``GatewayClient`` is not given one (as openai-python reads OPENAI_API_KEY).
 API_KEY_ENV = "SLIME_GATEWAY_API_KEY"
+RETRY_FOR_ENV = "SLIME_GATEWAY_RETRY_FOR_S"
 # "0" (or false/no/off) keeps glibc's malloc settings as they are; see ``keep_freed_memory_once``.
 KEEP_FREED_MEMORY_ENV = "SLIME_CLIENT_KEEP_FREED_MEMORY"
 
@@ -84,9 +85,10 @@ class GatewayClient:
     ``timeout`` (seconds, default ``DEFAULT_TIMEOUT``: 900) is the deadline of each HTTP exchange: connecting,
     sending and the whole answer, a streamed turn to its last event; a retry gets a deadline of its own. Past it
     the call raises ``GatewayTimeoutError``. ``connect_timeout`` (default 5 s) bounds opening one connection
-    within that. ``max_retries`` (default 30) and ``retry_for_s`` (default 30: no retry starts later than this after the
-    first attempt) bound the retries of failures that are safe to retry, honouring the gateway's ``Retry-After``
-    (see ``slime_client._retry``).
+    within that. ``max_retries`` (default 30) and ``retry_for_s`` (no retry starts later than this after the first
+    attempt; None: ``SLIME_GATEWAY_RETRY_FOR_S``, else 30 s, as long as a Redis failover takes) bound the retries of
+    failures that are safe to retry, honouring the gateway's ``Retry-After`` (see ``slime_client._retry``); the slime
+    drop-in and ``slime_client.agent`` make their clients this way, so the environment variable sets theirs too.
     The client holds one pool of keep-alive connections (``slime_wire.http1``), bound to the event loop that first
     uses it; creating the first client also calls ``keep_freed_memory_once`` (``SLIME_CLIENT_KEEP_FREED_MEMORY=0``
     opts out).
@@ -104,8 +106,10 @@ class GatewayClient:
         timeout: float | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         max_retries: int = DEFAULT_MAX_RETRIES,
-        retry_for_s: float = DEFAULT_RETRY_FOR_S,
+        retry_for_s: float | None = None,
     ) -> None:
+        if retry_for_s is None:
+            retry_for_s = float(os.environ.get(RETRY_FOR_ENV, "").strip() or DEFAULT_RETRY_FOR_S)
         if max_retries < 0 or retry_for_s < 0:
             raise ValueError("max_retries and retry_for_s must be >= 0")
         self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)

@@ -231,6 +231,7 @@ async def test_a_rollout_cancelled_from_outside_drops_its_session(
 
 async def test_the_gateway_down_gives_a_placeholder(agent_env: pytest.MonkeyPatch) -> None:
     agent_env.setenv("SLIME_AGENT", "agent_fixtures:weather_agent")
+    agent_env.setenv("SLIME_GATEWAY_RETRY_FOR_S", "2")  # the SDK rides out a down gateway this long (30 s by default)
     samples = await generate(slime_args(f"http://127.0.0.1:{free_port()}"), base_sample("rollout-down"), SAMPLING)
     assert_placeholder(samples, "gateway_unavailable")
     assert counters().get("drop_failed", 0) >= 1

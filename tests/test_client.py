@@ -271,13 +271,15 @@ async def test_503_turn_is_retried_and_succeeds(
     assert len(await generate_requests(sim, session.session_id)) == 2
 
 
-async def test_503_until_retries_run_out(gw: GatewayClient, sim_faults: Callable[..., Any]) -> None:
-    session = await moe_session(gw)
-    await sim_faults("http_503", count=gw.max_retries + 1)
-    with pytest.raises(ServiceUnavailableError) as caught:
-        await session.generate({"max_new_tokens": 6})
-    assert caught.value.status == 503
-    assert (await session.state()).turns == 0
+async def test_503_until_retries_run_out(gateway: Service, sim_faults: Callable[..., Any]) -> None:
+    """Each 503 says ``Retry-After: 1``: three retries, then the error (the default 30 would take 30 s)."""
+    async with GatewayClient(gateway.url, max_retries=3) as gw:
+        session = await moe_session(gw)
+        await sim_faults("http_503", count=gw.max_retries + 1)
+        with pytest.raises(ServiceUnavailableError) as caught:
+            await session.generate({"max_new_tokens": 6})
+        assert caught.value.status == 503
+        assert (await session.state()).turns == 0
 
 
 async def test_gateway_504_on_generate_is_not_retried(
