@@ -18,8 +18,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The suite in TEST_WORKERS processes (pytest-xdist), each running whole test files, so that a file's services start
+# once: most tests wait on the gateway and simulator processes they start, and two workers keep two cores busy.
+TEST_WORKERS ?= 2
+
 test: install routers redis haproxy chromium harnesses
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The router tier of `make test`: the real SGLang routers from the package registry, each in its own venv (no
 # torch). An install failure only warns: tests/test_router.py then skips, naming .routers/<name>/install.log.
