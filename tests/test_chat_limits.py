@@ -99,7 +99,8 @@ def test_a_request_that_would_stall_the_loop_is_refused_first(chat_gateway: Serv
     assert response.status_code == status, response.text[:500]
     assert problem in response.json()["error"]["message"]
     assert elapsed < 1.0, f"{case}: answered in {elapsed:.2f} s ({len(raw) / MB:.1f} MB)"
-    assert latencies and max(latencies) < 0.1, f"{case}: /health waited up to {max(latencies) * 1e3:.0f} ms"
+    # (a parse on the loop of a body this size would hold /health for seconds; 0.25 s leaves room for a loaded machine)
+    assert latencies and max(latencies) < 0.25, f"{case}: /health waited up to {max(latencies) * 1e3:.0f} ms"
     after = httpx.get(f"{chat_gateway.url}/v1/sessions/{sid}").json()
     assert {k: v for k, v in after.items() if k != "updated_at"} == {
         k: v for k, v in before.items() if k != "updated_at"

@@ -26,6 +26,10 @@ from procs import REPO_ROOT, RunningProcess, free_port, start_process
 from gateway.connections import FRESH_GRACE_S
 
 HALF_OPEN = REPO_ROOT / "tests" / "halfopen.py"
+# The most a /health may take while the gateway holds the connections under test: a stalled event loop or a /health
+# waiting for a free connection takes seconds; other work on the machine (make test runs two files at once) can take
+# a probe past 0.1 s.
+HEALTH_MAX_S = 0.25
 
 
 @contextmanager
@@ -114,7 +118,7 @@ def test_health_answers_while_20000_half_open_connections_are_held(simulator: Se
         f"max {max(latencies) * 1000:.1f} ms, median {sorted(latencies)[15] * 1000:.1f} ms; all closed "
         f"{closed_by:.1f} s after the last was opened; {json.dumps(done)}; closed by the gateway: {after}"
     )
-    assert max(latencies) < 0.1
+    assert max(latencies) < HEALTH_MAX_S
     assert held["gateway_client_connections"] <= FLOOD_CAP
     assert fds_held <= FLOOD_CAP + 100  # the cap holds: no descriptor exhaustion
     for summary in done:
@@ -233,13 +237,13 @@ def test_cap_evicts_idle_then_mid_body_connections_and_refuses_only_when_all_are
         address = ("127.0.0.1", gateway.port)
         idle = [socket.create_connection(address) for _ in range(cap)]
         time.sleep(FRESH_GRACE_S)  # silent this long, they are idle (until then: callers whose request is on its way)
-        assert max(health_latencies(gateway.url, 3)) < 0.1  # each /health evicted the longest-idle connection
+        assert max(health_latencies(gateway.url, 3)) < HEALTH_MAX_S  # each /health evicted the longest-idle connection
         stalled = [stall_body(address) for _ in range(cap)]  # these evict the remaining idle ones
         time.sleep(0.3)
         for sock in idle:
             assert read_until_closed(sock, 2)[0] == b""
         # Every connection is mid-body now: a new caller still gets in, at the expense of the oldest stalled body.
-        assert max(health_latencies(gateway.url, 3)) < 0.1
+        assert max(health_latencies(gateway.url, 3)) < HEALTH_MAX_S
         status, error = error_of(read_until_closed(stalled[0], 2)[0])
         assert status == 503 and error["type"] == "too_many_connections" and error["limit"] == cap
         request = b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}'
@@ -256,7 +260,7 @@ def test_cap_evicts_idle_then_mid_body_connections_and_refuses_only_when_all_are
         assert status == 503 and error["type"] == "too_many_connections" and error["limit"] == cap
         busy.pop().close()  # a request ends (its client left): room again
         time.sleep(0.2)
-        assert max(health_latencies(gateway.url, 1)) < 0.1
+        assert max(health_latencies(gateway.url, 1)) < HEALTH_MAX_S
         closed = scrape(gateway.url)
         for sock in idle + stalled + busy:
             sock.close()
@@ -300,7 +304,7 @@ def test_sixteen_stalled_bodies_leave_health_up_and_are_cut_at_the_body_deadline
         output = gateway.output()
         for sock in stalled:
             sock.close()
-    assert max(latencies) < 0.1
+    assert max(latencies) < HEALTH_MAX_S
     evicted = 0
     for received, closed_after_s in answers:
         status, error = error_of(received)

@@ -335,7 +335,8 @@ async def test_big_bodies_are_parsed_exactly(expiring: Service) -> None:
 
 async def test_health_answers_while_a_huge_prompt_is_parsed(gateway: Service) -> None:
     """A ~31 MB body (4M token ids, under the default 32 MiB limit, over the 1M-token limit) is parsed in the worker
-    pool in GIL-friendly steps: /health keeps answering meanwhile."""
+    pool in GIL-friendly steps: /health keeps answering meanwhile. Measured against the request's own time (a parse on
+    the event loop would hold /health for about all of it), so that other work on the machine slows both alike."""
     body = orjson.dumps({"prompt_ids": list(range(1_000_000, 5_000_000))})
     assert len(body) < 32 * 1024 * 1024
     latencies: list[float] = []
@@ -343,6 +344,7 @@ async def test_health_answers_while_a_huge_prompt_is_parsed(gateway: Service) ->
         httpx.AsyncClient(base_url=gateway.url, timeout=60) as gw,
         httpx.AsyncClient(base_url=gateway.url, timeout=5) as probe,
     ):
+        started_all = time.perf_counter()
         create = asyncio.create_task(gw.post("/v1/sessions", content=body))
         while not create.done():
             started = time.perf_counter()
@@ -350,8 +352,12 @@ async def test_health_answers_while_a_huge_prompt_is_parsed(gateway: Service) ->
             latencies.append(time.perf_counter() - started)
             await asyncio.sleep(0.005)
         assert_error(await create, 413, "session_too_long")
-    print(f"/health while parsing a {len(body) / 1e6:.0f} MB body: {len(latencies)} probes, max {max(latencies):.4f} s")
-    assert len(latencies) >= 5 and max(latencies) < 0.1
+        elapsed = time.perf_counter() - started_all
+    print(
+        f"/health while parsing a {len(body) / 1e6:.0f} MB body for {elapsed:.2f} s: {len(latencies)} probes, max "
+        f"{max(latencies):.4f} s"
+    )
+    assert len(latencies) >= 5 and max(latencies) < max(0.1, elapsed / 4), (elapsed, max(latencies))
 
 
 # ---- the error schema for what no route raises -------------------------------------------------------------------
