@@ -394,7 +394,9 @@ def _compose(project: str, env: dict[str, str], *args: str, timeout: float = 300
 
 
 @pytest.mark.parametrize(
-    "profiles", [(), ("demo",), ("gpu",), ("redis",)], ids=["sidecar-only", "demo", "gpu", "redis"]
+    "profiles",
+    [(), ("demo",), ("gpu",), ("redis",), ("fleet",), ("demo", "fleet")],
+    ids=["sidecar-only", "demo", "gpu", "redis", "fleet", "demo-fleet"],
 )
 def test_compose_file_is_valid(profiles: Sequence[str]) -> None:
     if compose_command() is None:
