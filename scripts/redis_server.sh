@@ -7,6 +7,7 @@
 #
 #   scripts/redis_server.sh DIR
 set -uo pipefail
+source "$(dirname "$0")/debian_package.sh"
 
 dir=${1:?usage: redis_server.sh DIR}
 mkdir -p "$dir/bin"
@@ -28,33 +29,14 @@ fi
 # Debian's redis-server is redis-check-rdb under another name; redis-cli is itself.
 if [ ! -x "$dir/root/usr/bin/redis-cli" ] || [ ! -x "$dir/root/usr/bin/redis-check-rdb" ]; then
   echo "==> redis: downloading Debian's redis-server and redis-cli into $dir (no system install)"
-  work=$(mktemp -d)
-  trap 'rm -rf "$work"' EXIT
-  packages="redis-tools libjemalloc2 liblzf1"
-  if ! (cd "$work" && apt-get download $packages >>"$log" 2>&1); then
-    # The package lists may be missing (a fresh container): refresh them when we may.
-    if [ "$(id -u)" = 0 ] && apt-get update >>"$log" 2>&1 && (cd "$work" && apt-get download $packages >>"$log" 2>&1); then
-      :
-    else
-      echo "warning: could not download redis-server; the Redis store tests will skip (see $log)" >&2
-      exit 0
-    fi
+  if ! debian_unpack "$dir/root" "$log" redis-tools libjemalloc2 liblzf1; then
+    echo "warning: could not download redis-server; the Redis store tests will skip (see $log)" >&2
+    exit 0
   fi
-  for deb in "$work"/*.deb; do dpkg -x "$deb" "$dir/root" >>"$log" 2>&1; done
 fi
 libs=$(dirname "$(find "$dir/root" -name 'liblzf.so*' | head -1)")
-
-wrap() {  # wrap NAME BINARY: DIR/bin/NAME runs BINARY (as NAME) with the unpacked libraries
-  cat >"$dir/bin/$1" <<WRAPPER
-#!/usr/bin/env bash
-# $1 unpacked from Debian's packages by scripts/redis_server.sh
-export LD_LIBRARY_PATH="$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
-exec -a $1 "$2" "\$@"
-WRAPPER
-  chmod +x "$dir/bin/$1"
-}
-wrap redis-server "$dir/root/usr/bin/redis-check-rdb"
-wrap redis-cli "$dir/root/usr/bin/redis-cli"
+debian_wrap "$dir/bin" redis-server "$dir/root/usr/bin/redis-check-rdb" "$libs" scripts/redis_server.sh
+debian_wrap "$dir/bin" redis-cli "$dir/root/usr/bin/redis-cli" "$libs" scripts/redis_server.sh
 for name in redis-server redis-cli; do
   if runs "$name"; then
     echo "==> redis: $("$dir/bin/$name" --version)"
