@@ -147,6 +147,18 @@ def test_a_streamed_token_turn_whose_write_fails_ends_with_an_error_event(killab
 
 
 # ---- the session index on a Redis Cluster -------------------------------------------------------------------------
+@contextmanager
+def index_apart(tmp_path: Path) -> Iterator[tuple[Any, Keys, dict[str, str], Any, str]]:
+    """A 3-master cluster without replicas, a gateway env on it, the master holding the session index, and a session
+    id whose keys live on another master: (cluster, keys, env, index master, session id)."""
+    env = store_env("")
+    keys = Keys(env["GATEWAY_REDIS_PREFIX"])
+    with redis_cluster(tmp_path / "cluster", replicas=0) as cluster:
+        env["GATEWAY_STORE"] = cluster.url
+        index_node = cluster.master_of(keys.index)
+        yield cluster, keys, env, index_node, session_on_another_master(cluster, keys, index_node.port)
+
+
 def session_on_another_master(cluster: Any, keys: Keys, avoid: int) -> str:
     """A session id whose keys live on another master than the node on port ``avoid``."""
     with cluster.client() as client:
@@ -162,63 +174,58 @@ def test_on_a_cluster_a_turn_is_answered_as_written_when_the_index_master_is_dow
     """The index (``PREFIX:index``, one key on one master) is down: a turn on a session of a healthy master is
     committed, so it is answered 200 (the index catches up later), not 503 "nothing was written"; a session can
     still be created there; once the index's master is back the new session is listed."""
-    env = store_env("")
-    keys = Keys(env["GATEWAY_REDIS_PREFIX"])
-    with redis_cluster(tmp_path / "cluster", replicas=0) as cluster:
-        env["GATEWAY_STORE"] = cluster.url
-        index_node = cluster.master_of(keys.index)
-        sid = session_on_another_master(cluster, keys, index_node.port)
-        with run_gateway(simulator.url, env=env) as first, run_gateway(simulator.url, env=env) as second:
-            created = httpx.post(f"{first.url}/v1/sessions", json={"session_id": sid, "prompt_ids": PROMPT}, timeout=30)
-            assert created.status_code == 201, created.text
-            index_node.kill()
-            # The second replica's first write of the session (its index score goes with it).
-            turn = httpx.post(f"{second.url}/v1/sessions/{sid}/generate", json={}, timeout=30)
-            held = httpx.get(f"{second.url}/v1/sessions/{sid}", timeout=30).json()
-            assert held["turns"] == 1  # it was committed ...
-            assert turn.status_code == 200, turn.text  # ... so it is answered as such
-            other = session_on_another_master(cluster, keys, index_node.port)
-            made = httpx.post(f"{first.url}/v1/sessions", json={"session_id": other, "prompt_ids": PROMPT}, timeout=30)
-            assert made.status_code == 201, made.text
-            index_node.start()
-            cluster.wait_until_ok()
-            deadline = time.monotonic() + 60
-            while True:  # repaired in the background
-                try:
-                    listed = httpx.get(f"{first.url}/v1/sessions", timeout=30)
-                except httpx.HTTPError:
-                    listed = None
-                if listed is not None and listed.status_code == 200:
-                    ids = {s["session_id"] for s in listed.json()["sessions"]}
-                    if {sid, other} <= ids:
-                        break
-                assert time.monotonic() < deadline, "the index never listed the sessions made while it was down"
-                time.sleep(0.2)
+    with (
+        index_apart(tmp_path) as (cluster, keys, env, index_node, sid),
+        run_gateway(simulator.url, env=env) as first,
+        run_gateway(simulator.url, env=env) as second,
+    ):
+        created = httpx.post(f"{first.url}/v1/sessions", json={"session_id": sid, "prompt_ids": PROMPT}, timeout=30)
+        assert created.status_code == 201, created.text
+        index_node.kill()
+        # The second replica's first write of the session (its index score goes with it).
+        turn = httpx.post(f"{second.url}/v1/sessions/{sid}/generate", json={}, timeout=30)
+        held = httpx.get(f"{second.url}/v1/sessions/{sid}", timeout=30).json()
+        assert held["turns"] == 1  # it was committed ...
+        assert turn.status_code == 200, turn.text  # ... so it is answered as such
+        other = session_on_another_master(cluster, keys, index_node.port)
+        made = httpx.post(f"{first.url}/v1/sessions", json={"session_id": other, "prompt_ids": PROMPT}, timeout=30)
+        assert made.status_code == 201, made.text
+        index_node.start()
+        cluster.wait_until_ok()
+        deadline = time.monotonic() + 60
+        while True:  # repaired in the background
+            try:
+                listed = httpx.get(f"{first.url}/v1/sessions", timeout=30)
+            except httpx.HTTPError:
+                listed = None
+            if listed is not None and listed.status_code == 200:
+                ids = {s["session_id"] for s in listed.json()["sessions"]}
+                if {sid, other} <= ids:
+                    break
+            assert time.monotonic() < deadline, "the index never listed the sessions made while it was down"
+            time.sleep(0.2)
 
 
 def test_index_master_down_deletes_still_delete(simulator: Service, tmp_path: Path) -> None:
     """A delete whose index update fails deleted the session: it answers so (not 503), and the index forgets it
     once its master is back."""
-    env = store_env("")
-    keys = Keys(env["GATEWAY_REDIS_PREFIX"])
-    with redis_cluster(tmp_path / "cluster", replicas=0) as cluster:
-        env["GATEWAY_STORE"] = cluster.url
-        index_node = cluster.master_of(keys.index)
-        sid = session_on_another_master(cluster, keys, index_node.port)
-        with run_gateway(simulator.url, env=env) as gateway:
-            created = httpx.post(f"{gateway.url}/v1/sessions", json={"session_id": sid, "prompt_ids": PROMPT})
-            assert created.status_code == 201, created.text
-            index_node.kill()
-            deleted = httpx.delete(f"{gateway.url}/v1/sessions/{sid}", timeout=30)
-            assert deleted.status_code == 204, deleted.text
-            assert httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).status_code == 404
-            index_node.start()
-            cluster.wait_until_ok()
-            deadline = time.monotonic() + 60
-            with redis.RedisCluster(host="127.0.0.1", port=index_node.port) as client:
-                while client.zscore(keys.index, sid) is not None:
-                    assert time.monotonic() < deadline, "the index kept a deleted session"
-                    time.sleep(0.2)
+    with (
+        index_apart(tmp_path) as (cluster, keys, env, index_node, sid),
+        run_gateway(simulator.url, env=env) as gateway,
+    ):
+        created = httpx.post(f"{gateway.url}/v1/sessions", json={"session_id": sid, "prompt_ids": PROMPT})
+        assert created.status_code == 201, created.text
+        index_node.kill()
+        deleted = httpx.delete(f"{gateway.url}/v1/sessions/{sid}", timeout=30)
+        assert deleted.status_code == 204, deleted.text
+        assert httpx.get(f"{gateway.url}/v1/sessions/{sid}", timeout=30).status_code == 404
+        index_node.start()
+        cluster.wait_until_ok()
+        deadline = time.monotonic() + 60
+        with redis.RedisCluster(host="127.0.0.1", port=index_node.port) as client:
+            while client.zscore(keys.index, sid) is not None:
+                assert time.monotonic() < deadline, "the index kept a deleted session"
+                time.sleep(0.2)
 
 
 # ---- a dead replica's hold, and when to come back --------------------------------------------------------------
